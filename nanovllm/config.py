@@ -1,0 +1,100 @@
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Config:
+    """Engine options. `LLM(model, **kwargs)` takes exactly these fields."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1  # -1: carve from free memory; > 0: exactly this many
+    device: str = "auto"  # "auto" (CUDA when present), "cpu" or "cuda"
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    cpu_kvcache_gb: float = 2.0  # KV cache budget on CPU when num_kvcache_blocks is -1
+    attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn"
+
+    # Filled in by __post_init__ (not options).
+    hf_config: object = field(default=None, init=False, repr=False)
+    eos_token_ids: list[int] = field(default_factory=list, init=False)
+    torch_dtype: torch.dtype = field(default=None, init=False)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)}")
+        return cls(model, **kwargs)
+
+    def __post_init__(self):
+        self._check_types()
+        if not os.path.exists(self.model):
+            raise ValueError(f"model path {self.model!r} does not exist; pass a local checkpoint directory "
+                             "(config.json + safetensors) or a .gguf file")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        bs = self.kvcache_block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {bs}")
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or > 0, got {self.num_kvcache_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kvcache_gb <= 0:
+            raise ValueError(f"cpu_kvcache_gb must be > 0, got {self.cpu_kvcache_gb}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is available; use device='cpu' or 'auto'")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+
+        from nanovllm.utils.loader import load_hf_config, load_eos_token_ids
+        self.hf_config = load_hf_config(self.model)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_pos:
+            self.max_model_len = min(self.max_model_len, max_pos)
+        self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
+        if self.dtype != "auto":
+            self.torch_dtype = _DTYPES[self.dtype]
+        elif self.device == "cpu":
+            self.torch_dtype = torch.float32  # CPU matmuls are fastest and exact in float32
+        else:
+            dt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if isinstance(dt, str):
+                dt = _DTYPES.get(dt)
+            self.torch_dtype = dt if dt in _DTYPES.values() else torch.bfloat16
+
+    def _check_types(self):
+        for f in fields(self):
+            if not f.init or f.name == "model":
+                continue
+            value, expected = getattr(self, f.name), f.type
+            ok = {int: isinstance(value, int) and not isinstance(value, bool),
+                  float: isinstance(value, (int, float)) and not isinstance(value, bool),
+                  bool: isinstance(value, bool),
+                  str: isinstance(value, str)}[expected]
+            if not ok:
+                raise TypeError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)

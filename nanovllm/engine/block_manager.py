@@ -1,0 +1,126 @@
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # chained hash of the full block's tokens and all blocks before it; -1: not cached
+        self.token_ids: list[int] = []
+
+    def reset(self):
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+
+def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+    """Chained xxhash: equal hashes mean equal blocks *and* equal prefixes (up to collisions)."""
+    h = xxhash.xxh64()
+    if prefix != -1:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    """Paged KV blocks with reference counts and a prefix cache of full blocks.
+
+    A block enters the prefix cache only once its K/V have been computed (`hash_blocks`), so a
+    half-done chunked prefill is never served to another request. Freed blocks keep their hash and
+    can be revived until they are handed out for new content (least recently freed first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]  # its old content is about to be overwritten
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _release(self, block_id: int):
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.used_block_ids.remove(block_id)
+            self.free_block_ids[block_id] = None
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= seq.num_blocks
+
+    def allocate(self, seq: Sequence):
+        """Give `seq` blocks for all its tokens, reusing cached leading blocks where they match."""
+        assert not seq.block_table, "sequence already has blocks"
+        prefix_hash = -1
+        hit = self.enable_prefix_caching
+        for i in range(seq.num_blocks):
+            token_ids = seq.block(i)
+            block_id = -1
+            if hit and len(token_ids) == self.block_size:
+                prefix_hash = compute_hash(token_ids, prefix_hash)
+                block_id = self.hash_to_block_id.get(prefix_hash, -1)
+                if block_id != -1 and self.blocks[block_id].token_ids != token_ids:
+                    block_id = -1  # hash collision: the token check says it is another block
+            if block_id == -1:
+                hit = False
+                block_id = self._take_free_block()
+            else:
+                block = self.blocks[block_id]
+                if block_id in self.used_block_ids:
+                    block.ref_count += 1
+                else:  # revive a freed block that still holds this content
+                    del self.free_block_ids[block_id]
+                    self.used_block_ids.add(block_id)
+                    block.ref_count = 1
+                seq.num_cached_tokens += self.block_size
+                seq.num_hashed_blocks += 1
+            seq.block_table.append(block_id)
+        # At least the last prompt token must be computed to get logits for the next one.
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+
+    def deallocate(self, seq: Sequence):
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)
+
+    def may_append(self, seq: Sequence):
+        """Before a decode step: make sure the block for the newest token exists."""
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block())
+
+    def hash_blocks(self, seq: Sequence):
+        """After a step: register the full blocks whose K/V are now computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_hashed_blocks, seq.num_cached_tokens // self.block_size):
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            token_ids = seq.block(i)
+            h = compute_hash(token_ids, prefix_hash)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, token_ids
+            self.hash_to_block_id.setdefault(h, block.block_id)
+            seq.num_hashed_blocks = i + 1

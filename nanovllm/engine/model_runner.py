@@ -1,0 +1,149 @@
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, get_backend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import build_model
+from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.loader import init_dummy_weights, load_weights
+
+logger = logging.getLogger("nanovllm")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    """Turns scheduled sequences into tensors, runs the model and samples (rank 0)."""
+
+    def __init__(self, config: Config, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        self.world_size = config.tensor_parallel_size
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+        hf = config.hf_config
+        torch.manual_seed(config.seed)
+        with _default_dtype(config.torch_dtype), self.device:
+            self.model = build_model(hf)
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model, config.seed)
+            else:
+                load_weights(self.model, config.model)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = get_backend(config.attention_backend, config.device)
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs = None
+        if self.is_cuda:
+            from nanovllm.engine import cuda_memory
+            cuda_memory.warmup(self)
+            num_blocks = cuda_memory.num_kvcache_blocks(self)
+        else:
+            budget = int(config.cpu_kvcache_gb * 2**30)
+            num_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else budget // self.block_bytes
+        self.allocate_kv_cache(num_blocks)
+        if self.is_cuda and not config.enforce_eager:
+            from nanovllm.engine.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
+
+    @property
+    def block_bytes(self) -> int:
+        layer = self.attn_layers[0]
+        itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+
+    def allocate_kv_cache(self, num_blocks: int):
+        cfg = self.config
+        if num_blocks * self.block_size < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0)} blocks x {self.block_size} tokens, fewer than "
+                f"max_model_len={cfg.max_model_len}: lower max_model_len, or give the cache more room "
+                "(num_kvcache_blocks, cpu_kvcache_gb on CPU, gpu_memory_utilization on GPU)")
+        cfg.num_kvcache_blocks = num_blocks
+        layer = self.attn_layers[0]
+        # One tensor for every layer's K and V: [2, layers, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                                    layer.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 2**30)
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.is_cuda)
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slot_mapping = [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq[start:end])
+            positions.extend(range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+            if not seq.block_table:  # warm-up sequences own no cache
+                continue
+            for i in range(start // self.block_size, (end + self.block_size - 1) // self.block_size):
+                base = seq.block_table[i] * self.block_size
+                lo, hi = max(start, i * self.block_size), min(end, (i + 1) * self.block_size)
+                slot_mapping.extend(range(base + lo - i * self.block_size, base + hi - i * self.block_size))
+        has_history = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        set_context(True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+                    cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    slot_mapping=self._tensor(slot_mapping, torch.int32) if slot_mapping else None,
+                    block_tables=self._block_tables(seqs) if has_history else None)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        input_ids, positions, slot_mapping, context_lens = [], [], [], []
+        for seq in seqs:
+            input_ids.append(seq.last_token)
+            positions.append(len(seq) - 1)
+            context_lens.append(len(seq))
+            slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
+        set_context(False, slot_mapping=self._tensor(slot_mapping, torch.int32),
+                    context_lens=self._tensor(context_lens, torch.int32), block_tables=self._block_tables(seqs))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        if not is_prefill and self.graphs is not None and self.graphs.can_run(input_ids.size(0)):
+            return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        try:
+            input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32) if self.rank == 0 else None
+            logits = self.run_model(input_ids, positions, is_prefill)
+            if self.rank != 0:
+                return None
+            return self.sampler(logits, temperatures, self.generator).tolist()
+        finally:
+            reset_context()

@@ -1,0 +1,90 @@
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens, its KV blocks and how far its KV has been computed."""
+
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams = SamplingParams()):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.block_size = block_size
+        self.token_ids = copy(token_ids)
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0  # tokens whose K/V are already in the cache
+        self.num_scheduled_tokens = 0  # tokens computed in the current step
+        self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    # Workers only need what prepare_prefill/prepare_decode read; in decode that is the last token.
+    def __getstate__(self):
+        in_decode = self.num_cached_tokens >= self.num_prompt_tokens and self.num_scheduled_tokens == 1
+        tokens = self.last_token if in_decode else self.token_ids
+        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+                self.num_scheduled_tokens, self.block_table, tokens)
+
+    def __setstate__(self, state):
+        (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+         self.num_scheduled_tokens, self.block_table, tokens) = state
+        if isinstance(tokens, list):
+            self.token_ids = tokens
+            self.last_token = tokens[-1]
+        else:
+            self.token_ids = []
+            self.last_token = tokens

@@ -1,0 +1,50 @@
+"""Attention: one module, pluggable backends chosen by name."""
+import importlib.util
+
+import torch
+from torch import nn
+
+from nanovllm.layers.attention.base import AttentionBackend
+from nanovllm.utils.context import get_context
+
+BACKENDS = ("torch", "triton", "flash_attn")
+
+
+def get_backend(name: str, device: str) -> AttentionBackend:
+    """'auto' picks flash_attn when importable on CUDA, else our Triton kernels; torch on CPU."""
+    if name == "auto":
+        if device != "cuda":
+            name = "torch"
+        else:
+            name = "flash_attn" if importlib.util.find_spec("flash_attn") else "triton"
+    if name == "torch":
+        from nanovllm.layers.attention.torch_ref import TorchAttention
+        return TorchAttention()
+    if name == "triton":
+        from nanovllm.layers.attention.triton import TritonAttention
+        return TritonAttention()
+    if name == "flash_attn":
+        from nanovllm.layers.attention.flash_attn import FlashAttention
+        return FlashAttention()
+    raise ValueError(f"unknown attention backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
+
+
+class Attention(nn.Module):
+    """Stores the new K/V in this layer's cache slice, then attends. The model runner binds
+    k_cache, v_cache and the backend after the KV cache is allocated."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+        context = get_context()
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache.numel() and context.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+        if context.is_prefill:
+            return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale)
+        return self.backend.decode(q, k_cache, v_cache, context, self.scale)

@@ -1,0 +1,56 @@
+"""Pure-torch attention over the paged KV cache: the CPU path and the reference for other backends."""
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.attention.base import AttentionBackend
+from nanovllm.utils.context import Context
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence from the paged cache: [length, kv_heads, head_dim]."""
+    block_size = cache.size(1)
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+        out = torch.empty_like(q)
+        cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
+        for s in range(len(cu_q) - 1):
+            q0, q1 = cu_q[s], cu_q[s + 1]
+            len_q, len_k = q1 - q0, cu_k[s + 1] - cu_k[s]
+            if context.block_tables is not None:
+                ks = gather_kv(k_cache, context.block_tables[s], len_k)
+                vs = gather_kv(v_cache, context.block_tables[s], len_k)
+            else:
+                ks, vs = k[q0:q1], v[q0:q1]
+            # query i sits at position len_k - len_q + i and sees keys up to there
+            rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
+            mask = torch.arange(len_k, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q0:q1] = o.transpose(0, 1)
+        return out
+
+    def decode(self, q, k_cache, v_cache, context: Context, scale):
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.size(2)
+        tables = context.block_tables.clamp(min=0).long()  # [batch, max_blocks]; -1 padding is masked below
+        k = k_cache[tables].flatten(1, 2)  # [batch, max_len, kv_heads, head_dim]
+        v = v_cache[tables].flatten(1, 2)
+        qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+        valid = torch.arange(k.size(1), device=q.device) < context.context_lens.unsqueeze(1)  # [batch, max_len]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows of padding (context 0) give zeros
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        return out.reshape(batch, num_heads, head_dim).to(q.dtype)

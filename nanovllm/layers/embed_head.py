@@ -1,0 +1,53 @@
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import get_context
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; other ranks' tokens embed to zero."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if num_embeddings % self.tp_size:
+            raise ValueError(f"vocabulary size ({num_embeddings}) is not divisible by "
+                             f"tensor_parallel_size ({self.tp_size})")
+        self.num_embeddings = num_embeddings
+        self.shard_size = num_embeddings // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start) & (x < self.vocab_start + self.shard_size)
+        y = F.embedding((x - self.vocab_start) * mask, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the last token of each sequence in prefill (all tokens in decode); rank 0 gathers."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+        super().__init__(num_embeddings, embedding_dim)
+        if bias:
+            raise ValueError("LM heads with a bias are not supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        context = get_context()
+        if context.is_prefill:
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, 0)
+        return torch.cat(parts, -1) if self.tp_rank == 0 else None

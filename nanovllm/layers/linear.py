@@ -1,0 +1,94 @@
+"""Tensor-parallel linear layers. Each parameter carries a weight_loader that takes the full
+checkpoint tensor and copies this rank's shard into it."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        if self.tp_dim is not None and param.dim() > self.tp_dim:
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        param.data.copy_(loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Splits the output dimension; each rank returns its slice of the outputs."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate and up); shard_id indexes output_sizes."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        dst = param.data.narrow(0, offset, size)
+        dst.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix; each rank holds its query heads and KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "number of attention heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Splits the input dimension; partial outputs are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only rank 0 adds the bias so that the all-reduce adds it once.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

@@ -1,0 +1,41 @@
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3 rope scaling: long wavelengths slowed by `factor`, a smooth ramp in between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over the full head_dim with a precomputed cos/sin cache."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type not in ("default", None):
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)

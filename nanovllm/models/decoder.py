@@ -1,0 +1,136 @@
+"""One decoder for the Llama family. Qwen3, Qwen2, Llama and Mistral differ only by the flags in
+DecoderFlags (q/k RMSNorm, qkv bias, rope scaling), read from the Hugging Face config."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+
+@dataclass
+class DecoderFlags:
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query and key head before rope
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
+    o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
+    mlp_bias: bool = False
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling dict or None) from either the old or the transformers-5 config layout."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return float(theta), (params if rope_type not in (None, "default") else None)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, flags: DecoderFlags):
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=flags.o_bias)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.qk_norm = flags.qk_norm
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.flatten(1, -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config, flags: DecoderFlags):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=flags.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, flags: DecoderFlags):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, flags)
+        self.mlp = DecoderMLP(config, flags)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, flags: DecoderFlags):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, flags) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name fragment -> (parameter name fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, flags: DecoderFlags):
+        super().__init__()
+        self.model = DecoderModel(config, flags)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.skip_weights = ()
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.skip_weights = ("lm_head.weight",)  # some tied checkpoints still store a copy
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)

@@ -1,0 +1,40 @@
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Context:
+    """Per-step tensors read by attention and the LM head; set by prepare_*, reset after the step.
+
+    Prefill packs the new tokens of all sequences end to end: query i of sequence s covers
+    cu_seqlens_q[s]:cu_seqlens_q[s+1]; its keys are all cu_seqlens_k[s+1]-cu_seqlens_k[s] tokens of
+    the sequence so far. block_tables is set when some sequence has K/V already in the cache.
+    """
+
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int32; -1: do not write
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32 (decode: tokens to attend, the new one included)
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, right-padded with -1
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(is_prefill: bool, **tensors) -> Context:
+    global _CONTEXT
+    _CONTEXT = Context(is_prefill, **tensors)
+    return _CONTEXT
+
+
+def reset_context():
+    global _CONTEXT
+    _CONTEXT = Context()
