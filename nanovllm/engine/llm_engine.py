@@ -9,6 +9,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.loader import load_tokenizer
 
 logger = logging.getLogger("nanovllm")
 
@@ -20,8 +21,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.vocab_size = config.hf_config.vocab_size
         self.model_runner = ModelRunner(config, 0)
         self.scheduler = Scheduler(config)

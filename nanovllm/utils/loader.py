@@ -17,6 +17,11 @@ def load_hf_config(model: str):
     return AutoConfig.from_pretrained(model)
 
 
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
 def load_eos_token_ids(model: str, hf_config) -> list[int]:
     """Every EOS id named by generation_config.json or config.json (either may hold a list)."""
     ids: list[int] = []
