@@ -68,7 +68,7 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
-        from nanovllm.utils.loader import load_hf_config, load_eos_token_ids
+        from nanovllm.utils.loader import load_eos_token_ids, load_hf_config
         self.hf_config = load_hf_config(self.model)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos:

@@ -35,7 +35,7 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
     tok = _tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
-                  tie_word_embeddings=tie, initializer_range=0.08, eos_token_id=tok.eos_token_id,
+                  tie_word_embeddings=tie, initializer_range=0.25, eos_token_id=tok.eos_token_id,
                   bos_token_id=None, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-6)
     cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
     if arch != "qwen2":

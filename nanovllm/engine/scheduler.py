@@ -43,7 +43,7 @@ class Scheduler:
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
-                if len(self.running) + len(scheduled) >= self.max_num_seqs:
+                if len(self.running) >= self.max_num_seqs:  # admitted sequences join running
                     break
                 if not self.block_manager.can_allocate(seq):
                     break

@@ -16,7 +16,8 @@ class Sequence:
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams = SamplingParams()):
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None):
+        sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.block_size = block_size

@@ -1,0 +1,129 @@
+from nanovllm.engine.block_manager import BlockManager, compute_hash
+from nanovllm.engine.sequence import Sequence
+
+BS = 16
+
+
+def _seq(tokens):
+    return Sequence(list(tokens), BS)
+
+
+def _finish_prefill(bm: BlockManager, seq: Sequence):
+    """What the scheduler does after a prefill step computed every prompt token."""
+    seq.num_cached_tokens = seq.num_tokens
+    bm.hash_blocks(seq)
+
+
+def test_hash_chain_depends_on_prefix():
+    block = list(range(BS))
+    assert compute_hash(block) == compute_hash(list(block))
+    assert compute_hash(block, 1) != compute_hash(block, 2)
+    assert compute_hash(block) != compute_hash(block[::-1])
+
+
+def test_allocate_and_free_counts():
+    bm = BlockManager(8, BS)
+    seq = _seq(range(40))  # 3 blocks, the last one partial
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5 and seq.num_cached_tokens == 0
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 8 and not seq.block_table
+
+
+def test_only_computed_blocks_are_cached():
+    bm = BlockManager(8, BS)
+    a = _seq(range(40))
+    bm.allocate(a)
+    b = _seq(range(40))
+    bm.allocate(b)  # a's K/V are not computed yet: no hit
+    assert b.num_cached_tokens == 0 and set(a.block_table).isdisjoint(b.block_table)
+
+
+def test_prefix_hit_shares_blocks_with_ref_counts():
+    bm = BlockManager(8, BS)
+    a = _seq(range(40))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    b = _seq(list(range(32)) + [99] * 5)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 32 and b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    bm.deallocate(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1]
+    assert bm.num_free_blocks == 8 - 3
+
+
+def test_freed_blocks_are_revived():
+    bm = BlockManager(4, BS)
+    a = _seq(range(33))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    table = list(a.block_table)
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 4
+    b = _seq(range(33))
+    bm.allocate(b)
+    assert b.block_table[:2] == table[:2] and b.num_cached_tokens == 32
+
+
+def test_full_prompt_hit_recomputes_last_token():
+    bm = BlockManager(4, BS)
+    a = _seq(range(32))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    b = _seq(range(32))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 31  # logits of the last token are still needed
+
+
+def test_reused_block_drops_its_old_hash():
+    bm = BlockManager(2, BS)
+    a = _seq(range(16))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    bm.deallocate(a)
+    c = _seq([7] * 32)  # takes both free blocks, overwriting a's cached block
+    bm.allocate(c)
+    bm.deallocate(c)
+    b = _seq(list(range(16)) + [1])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_hash_collision_is_caught_by_token_check():
+    bm = BlockManager(4, BS)
+    a = _seq(range(17))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    # pretend another block's tokens hash to the same value
+    fake = list(range(100, 116))
+    bm.hash_to_block_id[compute_hash(fake)] = a.block_table[0]
+    b = _seq(fake + [1])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.block_table[0] != a.block_table[0]
+
+
+def test_append_needs_a_block_at_boundaries():
+    bm = BlockManager(3, BS)
+    seq = _seq(range(16))
+    bm.allocate(seq)
+    seq.num_cached_tokens = 16
+    seq.append_token(1)  # token 17 starts block 2
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
+    seq.append_token(2)
+    bm.may_append(seq)  # still inside block 2
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 1
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = _seq(range(40))
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    b = _seq(range(40))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0

@@ -1,0 +1,131 @@
+"""End to end on CPU: greedy tokens equal transformers' own generate in float32."""
+import random
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def _check_exact(path: str, outputs: list[dict], prompts: list[list[int]], max_tokens: int = 24):
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == hf_greedy(path, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        assert out["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_tied", "qwen3_untied_mha"])
+def test_greedy_matches_transformers(request, fixture):
+    path = request.getfixturevalue(fixture)
+    llm = LLM(path, kvcache_block_size=16)
+    prompts = _prompts(0, [3, 15, 16, 17, 70, 300])  # from a few tokens to many blocks
+    _check_exact(path, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_default_block_size_and_text(qwen3_tied):
+    llm = LLM(qwen3_tied)
+    prompts = _prompts(1, [5, 260])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check_exact(qwen3_tied, outs, prompts)
+    assert outs[0]["text"] == llm.tokenizer.decode(outs[0]["token_ids"], skip_special_tokens=True)
+    text_out = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)[0]
+    ids = llm.tokenizer.encode("The capital of France is")
+    assert text_out["token_ids"] == hf_greedy(qwen3_tied, ids, 24)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_block_sizes(qwen3_tied, block_size):
+    llm = LLM(qwen3_tied, kvcache_block_size=block_size)
+    prompts = _prompts(2, [block_size - 1, block_size, 2 * block_size + 3])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_chunked_prefill(qwen3_tied):
+    # 50 tokens per step: long prompts are split over several steps and resumed from the cache.
+    llm = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=50)
+    prompts = _prompts(3, [120, 7, 49, 51, 200])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_preemption(qwen3_tied):
+    # 12 blocks of 16 tokens for 6 sequences that need ~4 blocks each: decode must preempt and recompute.
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192)
+    prompts = _prompts(4, [30, 35, 40, 20, 45, 33])
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    preempted = []
+    original = llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert preempted, "the test should force preemption"
+    _check_exact(qwen3_tied, outs, prompts, 30)
+    assert llm.scheduler.block_manager.num_free_blocks == 12
+
+
+def test_chunked_prefill_and_preemption_together(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=14, max_model_len=200,
+              max_num_batched_tokens=40, enable_prefix_caching=False)
+    prompts = _prompts(5, [90, 60, 75, 10])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_prefix_cache_hit_stays_exact(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16)
+    base = _prompts(6, [50])[0]
+    first = llm.generate([base], GREEDY, use_tqdm=False)[0]
+    assert first["num_cached_tokens"] == 0
+    longer = base + _prompts(7, [20])[0]
+    out = llm.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 48  # three full blocks of the earlier prompt
+    _check_exact(qwen3_tied, [out], [longer])
+    # the same prompt again: everything but the last token comes from the cache
+    again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 64
+    assert again["token_ids"] == out["token_ids"]
+
+
+def test_prefix_cache_shared_within_batch_and_disabled(qwen3_tied):
+    shared = _prompts(8, [40])[0]
+    prompts = [shared + tail for tail in _prompts(9, [5, 9, 13])]
+    llm = LLM(qwen3_tied, kvcache_block_size=16, enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o["num_cached_tokens"] == 0 for o in outs)
+    _check_exact(qwen3_tied, outs, prompts)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o["num_cached_tokens"] == 0 for o in again)
+
+
+def test_eos_stops_and_max_model_len(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, max_model_len=40)
+    prompt = _prompts(10, [30])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(prompt) + len(out["token_ids"]) == 40
+    # make the first greedy token an EOS id: generation stops there with finish_reason "stop"
+    first = out["token_ids"][0]
+    llm.scheduler.eos_token_ids = {first}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert out["token_ids"] == [first] and out["finish_reason"] == "stop"
+
+
+def test_sampling_is_reproducible_and_varied(qwen3_tied):
+    prompts = _prompts(11, [12, 12])
+    sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = LLM(qwen3_tied, seed=1).generate(prompts, sp, use_tqdm=False)
+    b = LLM(qwen3_tied, seed=1).generate(prompts, sp, use_tqdm=False)
+    c = LLM(qwen3_tied, seed=2).generate(prompts, sp, use_tqdm=False)
+    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+    assert [o["token_ids"] for o in a] != [o["token_ids"] for o in c]
+
+
+def test_per_prompt_sampling_params_and_many_sequences(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, max_num_seqs=4)  # more prompts than one batch holds
+    prompts = _prompts(12, [4, 8, 12, 16, 20, 24, 28])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(3, 10)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, sp, out in zip(prompts, params, outs):
+        assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, sp.max_tokens)

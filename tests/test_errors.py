@@ -1,0 +1,105 @@
+"""Every bad input gets a clear ValueError/TypeError, and the engine keeps working after it."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    return LLM(qwen3_tied, kvcache_block_size=16, max_model_len=64)
+
+
+def _still_exact(llm, path):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 8)
+    assert llm.scheduler.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+
+
+@pytest.mark.parametrize("prompts, error, match", [
+    ([[]], ValueError, "empty"),
+    ([""], ValueError, "empty"),
+    ([list(range(65))], ValueError, "max_model_len"),
+    ([[1, 2, 400]], ValueError, "outside the vocabulary"),
+    ([[1, -1]], ValueError, "outside the vocabulary"),
+    ([[1, 2], [10**6]], ValueError, "outside the vocabulary"),
+    ([1, 2, 3], TypeError, "wrap"),
+    ([[1.5, 2]], TypeError, "list of int"),
+    ([None], TypeError, "str or a list of int"),
+    (42, TypeError, "prompts must be"),
+])
+def test_bad_prompts(llm, qwen3_tied, prompts, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    _still_exact(llm, qwen3_tied)
+
+
+def test_sampling_params_list_length(llm, qwen3_tied):
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([[1, 2], [3, 4]], [GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
+    _still_exact(llm, qwen3_tied)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=-0.1), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(temperature="hot"), TypeError, "temperature"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(max_tokens=2.5), TypeError, "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_that_never_fits_in_the_cache(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(65))], GREEDY, use_tqdm=False)
+    _still_exact(llm, qwen3_tied)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(no_such_option=1), TypeError, "no_such_option.*valid options are"),
+    (dict(kvcache_block_size=24), ValueError, "power of two"),
+    (dict(kvcache_block_size=8), ValueError, "power of two"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+    (dict(num_kvcache_blocks=0), ValueError, "num_kvcache_blocks"),
+    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+    (dict(device="tpu"), ValueError, "device"),
+    (dict(dtype="float8"), ValueError, "dtype"),
+    (dict(load_format="pickle"), ValueError, "load_format"),
+    (dict(max_model_len="long"), TypeError, "max_model_len"),
+    (dict(enforce_eager=1), TypeError, "enforce_eager"),
+    (dict(attention_backend="magic"), ValueError, "torch, triton, flash_attn"),
+    # sizes that can never work are reported at start
+    (dict(kvcache_block_size=16, num_kvcache_blocks=2, max_model_len=64), ValueError, "fewer than max_model_len"),
+])
+def test_bad_options(qwen3_tied, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLM(qwen3_tied, **kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_dummy_weights_run(qwen3_tied):
+    llm = LLM(qwen3_tied, load_format="dummy", kvcache_block_size=16)
+    out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 8
+
+
+def test_shutdown(qwen3_tied):
+    with LLM(qwen3_tied, kvcache_block_size=16) as llm:
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
