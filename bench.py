@@ -1,0 +1,110 @@
+"""Offline throughput on the nano-vllm workload.
+
+    python bench.py                       # Qwen3-0.6B architecture, random weights (load_format="dummy")
+    python bench.py --model PATH          # a real checkpoint
+    python bench.py --engine hf           # also run HF transformers' continuous batching; print both and the ratio
+"""
+import argparse
+import os
+import time
+from random import randint, seed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(HERE, "benchmarks", "configs", "qwen3-0.6b")
+
+
+def workload(args) -> tuple[list[list[int]], list[int]]:
+    """seed 0; prompts of random ids in [0, 10000], lengths and max_tokens uniform in the given ranges."""
+    seed(args.seed)
+    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input, args.max_input))]
+               for _ in range(args.num_seqs)]
+    max_tokens = [randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def run_nanovllm(args, prompts, max_tokens) -> float:
+    from nanovllm import LLM, SamplingParams
+    kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                  tensor_parallel_size=args.tp, load_format="dummy" if args.dummy else "auto")
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.attention_backend:
+        kwargs["attention_backend"] = args.attention_backend
+    t = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.config.num_kvcache_blocks} KV blocks")
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - t
+    total = sum(len(o["token_ids"]) for o in outs)
+    if hasattr(llm, "exit"):
+        llm.exit()
+    print(f"nanovllm: {total} output tokens in {elapsed:.2f}s: {total / elapsed:,.0f} tok/s")
+    return total / elapsed
+
+
+def run_hf(args, prompts, max_tokens) -> float:
+    """HF transformers' continuous batching (ContinuousBatchingManager, paged attention)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    if args.dummy:
+        config = AutoConfig.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa_paged")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa_paged")
+    model = model.cuda().eval()
+    gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=args.temperature,
+                           eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    t = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+    total, done = 0, 0
+    while done < len(prompts):
+        result = manager.get_result(timeout=60)
+        if result is None:
+            break
+        total += len(result.generated_tokens)
+        done += 1
+    elapsed = time.perf_counter() - t
+    manager.stop(block=True)
+    print(f"hf: {total} output tokens in {elapsed:.2f}s: {total / elapsed:,.0f} tok/s ({done} requests)")
+    return total / elapsed
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: Qwen3-0.6B config, dummy weights)")
+    p.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm",
+                   help="hf: run nanovllm and then HF continuous batching on the same workload")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input", type=int, default=100)
+    p.add_argument("--max-input", type=int, default=1024)
+    p.add_argument("--min-output", type=int, default=100)
+    p.add_argument("--max-output", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="0: the engine default")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tqdm", action="store_true")
+    args = p.parse_args()
+    if args.model is None:
+        args.model, args.dummy = DEFAULT_CONFIG, True
+    prompts, max_tokens = workload(args)
+    print(f"{len(prompts)} sequences, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
+    ours = run_nanovllm(args, prompts, max_tokens)
+    if args.engine == "hf":
+        theirs = run_hf(args, prompts, max_tokens)
+        print(f"nanovllm / hf = {ours / theirs:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

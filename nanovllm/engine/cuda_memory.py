@@ -1,0 +1,45 @@
+"""GPU memory: measure the activation peak with one max-size step, then carve the KV cache."""
+import torch
+
+from nanovllm.engine.sequence import Sequence
+
+
+def warmup(runner):
+    """One prefill as large as a step can be, and sampling for the largest decode batch.
+
+    The KV cache is not allocated yet, so the measured peak holds only weights and activations."""
+    cfg = runner.config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+    seqs = [Sequence([0] * seq_len, runner.block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.num_scheduled_tokens = seq_len
+    runner.run(seqs, True)
+    if runner.rank == 0:
+        vocab = cfg.hf_config.vocab_size
+        logits = torch.zeros(cfg.max_num_seqs, vocab, dtype=cfg.torch_dtype, device=runner.device)
+        runner.sampler(logits, torch.ones(cfg.max_num_seqs, device=runner.device), runner.generator)
+        del logits
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def num_kvcache_blocks(runner) -> int:
+    """total × gpu_memory_utilization − used − (peak − current), in blocks; or the configured count."""
+    cfg = runner.config
+    if cfg.num_kvcache_blocks > 0:
+        return cfg.num_kvcache_blocks
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    stats = torch.cuda.memory_stats()
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    available = int(total * cfg.gpu_memory_utilization - used - (peak - current))
+    blocks = available // runner.block_bytes
+    if blocks <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB total, {used / 2**30:.1f} GiB in use, "
+            f"{(peak - current) / 2**30:.1f} GiB activation peak; raise gpu_memory_utilization "
+            f"(now {cfg.gpu_memory_utilization}) or lower max_num_batched_tokens / max_num_seqs")
+    return blocks
