@@ -1,21 +1,102 @@
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation options. temperature 0 means greedy."""
+    """Per-request generation options (names as in vLLM).
+
+    temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
+    logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens
+    plus the sampled one, from the model's distribution before penalties, temperature and filtering.
+    """
 
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
     max_tokens: int = 64
+    min_tokens: int = 0
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
-        if not self.temperature >= 0:  # also catches NaN
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+            setattr(self, name, float(value))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        self.temperature = float(self.temperature)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
+            raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")
+        if stop is not None and any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._stop = list(stop or [])
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        self.stop_token_ids = list(ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_filtering(self) -> bool:
+        """top-k / top-p / min-p (only meaningful when sampling)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

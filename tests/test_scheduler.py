@@ -20,8 +20,8 @@ def _seq(n, start=1, max_tokens=8, ignore_eos=False):
 
 def _step(s: Scheduler, token=5):
     seqs, is_prefill = s.schedule()
-    finished = s.postprocess(seqs, [token] * len(seqs))
-    return seqs, is_prefill, finished
+    updated = s.postprocess(seqs, [token] * len(seqs))
+    return seqs, is_prefill, [x for x in updated if x.is_finished]
 
 
 def test_prefill_then_decode():

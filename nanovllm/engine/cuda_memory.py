@@ -2,6 +2,7 @@
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplingTensors
 
 
 def warmup(runner):
@@ -20,7 +21,8 @@ def warmup(runner):
     if runner.rank == 0:
         vocab = cfg.hf_config.vocab_size
         logits = torch.zeros(cfg.max_num_seqs, vocab, dtype=cfg.torch_dtype, device=runner.device)
-        runner.sampler(logits, torch.ones(cfg.max_num_seqs, device=runner.device), runner.generator)
+        temperatures = torch.ones(cfg.max_num_seqs, device=runner.device)
+        runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
         del logits
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

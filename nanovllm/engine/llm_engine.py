@@ -1,10 +1,14 @@
 import atexit
+import json
 import logging
+import os
+from collections.abc import Iterator
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -14,6 +18,19 @@ from nanovllm.utils.loader import load_tokenizer
 logger = logging.getLogger("nanovllm")
 
 Prompt = str | list[int]
+
+# generation_config.json fields that become the default SamplingParams, as vLLM does
+_GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def default_sampling_params(model: str) -> SamplingParams:
+    """SamplingParams from the checkpoint's generation_config.json where it sets them."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return SamplingParams()
+    with open(path) as f:
+        gen = json.load(f)
+    return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
 
 
 class LLMEngine:
@@ -30,6 +47,7 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.model_runner = ModelRunner(config, 0)
         self.scheduler = Scheduler(config)
+        self.default_sampling_params = default_sampling_params(config.model)
         self._closed = False
         atexit.register(self.exit)
 
@@ -77,30 +95,61 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
-        """One scheduler step. Returns the sequences that finished and the number of tokens computed
-        (positive: prefill tokens, negative: decode sequences, as nano-vllm reports them)."""
+        """One scheduler step. Returns the sequences that received a token (check `.is_finished`) and
+        the number of tokens computed (positive: prefill tokens, negative: decode sequences)."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small "
                                "for the waiting requests")
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        token_ids, logprobs = self.model_runner.run(seqs, is_prefill)
+        updated = self.scheduler.postprocess(seqs, token_ids, logprobs)
+        for seq in updated:
+            if seq.detokenizer is not None:
+                self._update_text(seq)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        return finished, num_tokens
+        return updated, num_tokens
+
+    def _update_text(self, seq: Sequence):
+        """Incremental text for streaming and stop strings; finishes the sequence on a stop string."""
+        detok = seq.detokenizer
+        delta = detok.add(seq.last_token)
+        if seq.is_finished:
+            delta += detok.flush()
+        stops = seq.sampling_params.stop_strings
+        if not stops or not delta or seq.num_completion_tokens < seq.sampling_params.min_tokens:
+            return
+        window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
+        hits = [i for i in (detok.text.find(stop, window_start) for stop in stops) if i >= 0]
+        if hits:
+            detok.text = detok.text[: min(hits)]  # the returned text ends before the stop string
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def _text(self, seq: Sequence) -> str:
+        if seq.detokenizer is not None:
+            return seq.detokenizer.text
+        if self.tokenizer is None:
+            return ""
+        skip = seq.sampling_params.skip_special_tokens
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
+
     def _output(self, seq: Sequence) -> dict:
-        return {
-            "text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else "",
+        out = {
+            "text": self._text(seq),
             "token_ids": seq.completion_token_ids,
+            "prompt_token_ids": seq.prompt_token_ids,
             "finish_reason": seq.finish_reason,
             "num_cached_tokens": max(seq.num_prefix_hit_tokens, 0),
         }
+        if seq.sampling_params.logprobs is not None:
+            out["logprobs"] = seq.logprobs
+        return out
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+    def _make_sequences(self, prompts, sampling_params, stream: bool) -> list[Sequence]:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         if isinstance(prompts, str):
@@ -110,7 +159,7 @@ class LLMEngine:
         if prompts and all(isinstance(p, int) for p in prompts):
             raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
@@ -118,9 +167,21 @@ class LLMEngine:
         else:
             sampling_params = [sampling_params] * len(prompts)
         if not self.scheduler.is_finished():
-            raise RuntimeError("generate() called while requests added with add_request are still running")
+            raise RuntimeError("generate() called while other requests are still running (an unfinished "
+                               "stream, or requests added with add_request)")
         # Validate every request before queueing any, so a bad one leaves the engine untouched.
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            sp = seq.sampling_params
+            if (stream or sp.stop_strings) and self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+            elif sp.stop_strings:
+                raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        return seqs
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> Iterator[list[Sequence]]:
+        """Drive the engine until `seqs` are done, yielding the sequences updated by each step.
+        If the caller stops early or a step fails, unfinished sequences are aborted."""
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -128,19 +189,57 @@ class LLMEngine:
         try:
             while not self.is_finished():
                 t = perf_counter()
-                finished, num_tokens = self.step()
+                updated, num_tokens = self.step()
                 dt = perf_counter() - t
                 if num_tokens > 0:
                     prefill_tput = num_tokens / dt
                 else:
                     decode_tput = -num_tokens / dt
-                bar.set_postfix(prefill=f"{prefill_tput:.0f}tok/s", decode=f"{decode_tput:.0f}tok/s")
-                bar.update(len(finished))
-        except BaseException:
+                if use_tqdm:
+                    bar.set_postfix(prefill=f"{prefill_tput:.0f}tok/s", decode=f"{decode_tput:.0f}tok/s",
+                                    refresh=False)
+                    bar.update(sum(seq.is_finished for seq in updated))
+                yield updated
+        finally:
+            bar.close()
             for seq in seqs:  # leave the engine clean for the next call
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
-            raise
-        finally:
-            bar.close()
+
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, stream: bool = False) -> list[dict] | Iterator[dict]:
+        """Generate for every prompt. Returns one dict per prompt, in order: text, token_ids,
+        prompt_token_ids, finish_reason ("stop" or "length"), num_cached_tokens (and logprobs when asked).
+        With stream=True, returns an iterator of per-step deltas instead (see `stream`)."""
+        if stream:
+            return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
+        seqs = self._make_sequences(prompts, sampling_params, stream=False)
+        for _ in self._run(seqs, use_tqdm):
+            pass
         return [self._output(seq) for seq in seqs]
+
+    def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+               use_tqdm: bool = False) -> Iterator[dict]:
+        """Yield results as they are produced: one dict per sequence per step with "index" (the prompt's
+        position), "text" (new text), "token_ids" (new token ids), "finished" and "finish_reason"
+        (and "logprobs" for the new tokens when asked). Concatenated, the deltas equal generate()'s output.
+        Requests are validated here, before the first item is yielded."""
+        seqs = self._make_sequences(prompts, sampling_params, stream=True)
+        return self._stream(seqs, use_tqdm)
+
+    def _stream(self, seqs: list[Sequence], use_tqdm: bool) -> Iterator[dict]:
+        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        emitted = dict.fromkeys(index, 0)  # characters of text already yielded
+        for updated in self._run(seqs, use_tqdm):
+            for seq in updated:
+                text = self._text(seq)
+                stops = seq.sampling_params.stop_strings
+                # hold back what could still turn out to be the start of a stop string
+                end = len(text) if seq.is_finished or not stops else max(0, len(text) - max(map(len, stops)) + 1)
+                start = emitted[seq.seq_id]
+                emitted[seq.seq_id] = max(start, end)
+                item = {"index": index[seq.seq_id], "text": text[start:end], "token_ids": [seq.last_token],
+                        "finished": seq.is_finished, "finish_reason": seq.finish_reason}
+                if seq.sampling_params.logprobs is not None:
+                    item["logprobs"] = seq.logprobs[-1:]
+                yield item

@@ -6,7 +6,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_weights
@@ -137,13 +137,77 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def _token_table(self, rows: list[list[int]]) -> torch.Tensor:
+        """Ragged token lists as one [batch, longest] tensor padded with vocab_size (a spare column)."""
+        vocab = self.config.hf_config.vocab_size
+        width = max(1, max(map(len, rows)))
+        return self._tensor([r + [vocab] * (width - len(r)) for r in rows], torch.int64)
+
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
+        """Per-row sampling tensors; the optional ones only when some row needs them."""
+        sps = [seq.sampling_params for seq in seqs]
+        vocab = self.config.hf_config.vocab_size
+        st = SamplingTensors(self._tensor([sp.temperature for sp in sps], torch.float32))
+        if any(sp.needs_filtering for sp in sps):
+            if any(sp.top_k > 0 for sp in sps):
+                st.top_ks = self._tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sps], torch.int64)
+            if any(sp.top_p < 1 for sp in sps):
+                st.top_ps = self._tensor([sp.top_p for sp in sps], torch.float32)
+            if any(sp.min_p > 0 for sp in sps):
+                st.min_ps = self._tensor([sp.min_p for sp in sps], torch.float32)
+        if any(sp.repetition_penalty != 1 for sp in sps):
+            st.repetition = self._tensor([sp.repetition_penalty for sp in sps], torch.float32)
+            seen = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=self.device)
+            seen.scatter_(1, self._token_table([seq.token_ids for seq in seqs]), True)
+            st.seen_mask = seen[:, :vocab]
+        if any(sp.presence_penalty or sp.frequency_penalty for sp in sps):
+            st.presence = self._tensor([sp.presence_penalty for sp in sps], torch.float32)
+            st.frequency = self._tensor([sp.frequency_penalty for sp in sps], torch.float32)
+            table = self._token_table([seq.completion_token_ids for seq in seqs])
+            counts = torch.zeros(len(seqs), vocab + 1, device=self.device)
+            st.output_counts = counts.scatter_add_(1, table, torch.ones_like(table, dtype=counts.dtype))[:, :vocab]
+        banned_rows, banned_ids = [], []
+        for i, (seq, sp) in enumerate(zip(seqs, sps)):
+            if seq.num_completion_tokens < sp.min_tokens:  # EOS and stop tokens may not come yet
+                ids = sp.stop_token_ids + ([] if sp.ignore_eos else self.config.eos_token_ids)
+                banned_rows += [i] * len(ids)
+                banned_ids += ids
+        if banned_rows:
+            st.banned = (self._tensor(banned_rows, torch.int64), self._tensor(banned_ids, torch.int64))
+        for i, (seq, sp) in enumerate(zip(seqs, sps)):
+            if sp.seed is not None and not sp.greedy and seq.samples_this_step:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+                st.generators = (st.generators or []) + [(i, seq.generator)]
+        st.num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
+        return st
+
+    def _logprob_dicts(self, seqs: list[Sequence], tokens: list[int], logprobs) -> list[dict[int, float] | None]:
+        top_values, top_ids, chosen = logprobs
+        top_values = top_values.tolist() if top_values is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        chosen = chosen.tolist()
+        out = []
+        for i, seq in enumerate(seqs):
+            k = seq.sampling_params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            d = dict(zip(top_ids[i][:k], top_values[i][:k])) if k else {}
+            d.setdefault(tokens[i], chosen[i])
+            out.append(d)
+        return out
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
+        """One step; rank 0 returns (sampled token ids, per-sequence logprob dicts or None)."""
         try:
             input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32) if self.rank == 0 else None
+            sampling = self.prepare_sample(seqs) if self.rank == 0 else None
             logits = self.run_model(input_ids, positions, is_prefill)
             if self.rank != 0:
                 return None
-            return self.sampler(logits, temperatures, self.generator).tolist()
+            tokens, logprobs = self.sampler(logits, sampling, self.generator)
+            tokens = tokens.tolist()
+            return tokens, (self._logprob_dicts(seqs, tokens, logprobs) if logprobs is not None else None)
         finally:
             reset_context()

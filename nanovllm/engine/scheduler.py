@@ -85,23 +85,30 @@ class Scheduler:
         mid_prefill = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if mid_prefill else 0, seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record computed K/V and sampled tokens; return the sequences that finished this step."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids):
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                    logprobs: list | None = None) -> list[Sequence]:
+        """Record computed K/V and sampled tokens; finish sequences on EOS, stop token ids or length.
+        Returns the sequences that received a new token this step."""
+        updated = []
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             self.block_manager.hash_blocks(seq)
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # a chunk of a longer prefill: its sampled token is meaningless
             seq.append_token(token_id)
-            if not seq.ignore_eos and token_id in self.eos_token_ids:
-                seq.finish_reason = "stop"
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
+            updated.append(seq)
+            sp = seq.sampling_params
+            may_stop = seq.num_completion_tokens >= sp.min_tokens
+            if may_stop and ((not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
+                self.finish(seq, "stop")
             elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            self.running.remove(seq)
-            finished.append(seq)
-        return finished
+                self.finish(seq, "length")
+        return updated
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)

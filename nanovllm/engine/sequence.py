@@ -31,9 +31,13 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0)
+        self.logprobs: list[dict[int, float]] = []
+        self.detokenizer = None  # IncrementalDetokenizer when text is needed while generating
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -56,6 +60,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def samples_this_step(self) -> bool:
+        """False for a chunk of a longer prefill: its sampled token is thrown away."""
+        return self.num_cached_tokens + self.num_scheduled_tokens >= self.num_tokens
 
     @property
     def num_blocks(self) -> int:

@@ -1,15 +1,79 @@
+"""Batched sampling: every option is applied to the whole batch with tensors, no per-row Python
+loops except for the noise of seeded requests."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 
-class Sampler(nn.Module):
-    """Exact temperature sampling without sort or multinomial: argmax(p / E) with E ~ Exp(1)
-    picks token i with probability p_i. Rows with temperature 0 take the argmax."""
+@dataclass
+class SamplingTensors:
+    """Per-row sampling options for one step, on the logits' device. Optional parts are None when no
+    row in the batch uses them, so the plain path stays a softmax and one argmax."""
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None = None):
+    temperatures: torch.Tensor  # [batch] float32; 0: greedy
+    top_ks: torch.Tensor | None = None  # [batch] int64; vocab size when off
+    top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
+    min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
+    repetition: torch.Tensor | None = None  # [batch] float32 (1: off), with seen_mask
+    seen_mask: torch.Tensor | None = None  # [batch, vocab] bool: token in prompt or output
+    presence: torch.Tensor | None = None  # [batch] float32, with output_counts
+    frequency: torch.Tensor | None = None  # [batch] float32
+    output_counts: torch.Tensor | None = None  # [batch, vocab] float32: times each token was generated
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf (min_tokens)
+    generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators
+    num_logprobs: int = -1  # top-k logprobs to return (-1: none)
+
+
+class Sampler(nn.Module):
+    """Exact sampling without multinomial: argmax(p / E) with E ~ Exp(1) picks token i with probability
+    p_i (the exponential race). Rows with temperature 0 take the argmax of the processed logits."""
+
+    def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
+        """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
+        top ids [batch, k], sampled token's logprob [batch]) from the raw distribution."""
         logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, -1) if st.num_logprobs >= 0 else None
+        if st.repetition is not None:
+            # HF/CTRL repetition penalty on every token seen so far: shrink positive logits, grow negative ones
+            penalty = torch.where(st.seen_mask, st.repetition.unsqueeze(1), 1.0)
+            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        if st.presence is not None:
+            logits = logits - st.presence.unsqueeze(1) * (st.output_counts > 0) \
+                - st.frequency.unsqueeze(1) * st.output_counts
+        if st.banned is not None:
+            logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
         greedy = logits.argmax(-1)
-        probs = torch.softmax(logits / temperatures.clamp(min=1e-5).unsqueeze(1), -1)
-        noise = torch.empty_like(probs).exponential_(1, generator=generator).clamp_(min=1e-10)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+        probs = torch.softmax(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), -1)
+        if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
+            probs = _filter(probs, st)
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+        for row, gen in st.generators or ():
+            noise[row].exponential_(1, generator=gen)  # a seeded request's draws depend on nothing else
+        sampled = (probs / noise.clamp_(min=1e-10)).argmax(-1)
+        tokens = torch.where(st.temperatures == 0, greedy, sampled)
+        if raw_logprobs is None:
+            return tokens, None
+        top = raw_logprobs.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, (top.values if top else None, top.indices if top else None, chosen)
+
+
+def _filter(probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p and min-p remove (one sort for the batch)."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    rank = torch.arange(probs.size(1), device=probs.device).unsqueeze(0)
+    remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if st.top_ks is not None:
+        remove |= rank >= st.top_ks.unsqueeze(1)
+    if st.top_ps is not None:
+        # keep the smallest prefix whose mass (renormalized after top-k) reaches top_p:
+        # drop a token when the mass before it already does
+        kept = sorted_probs.masked_fill(remove, 0.0)
+        mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
+        remove |= mass_before >= st.top_ps.unsqueeze(1)
+    if st.min_ps is not None:
+        remove |= sorted_probs < st.min_ps.unsqueeze(1) * sorted_probs[:, :1]
+    remove[:, 0] = False  # the most likely token always stays
+    sorted_probs = sorted_probs.masked_fill(remove, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,37 @@
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, one delta at a time.
+
+    Decodes only a short window (prefix_offset..end) per call. A delta is released only when it does
+    not end in U+FFFD, so a multi-byte character split over several tokens comes out whole."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # window start: tokens before it are already text
+        self.read_offset = 0  # tokens before it are in self.text
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text it completes (may be empty)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,286 @@
+"""Sampling options, logprobs, stop conditions and streaming."""
+import json
+import math
+import random
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from tests.tiny_models import _tokenizer, hf_greedy, hf_model
+
+N = 16
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    return LLM(qwen3_tied, kvcache_block_size=16)
+
+
+def _ids(outs):
+    return [o["token_ids"] for o in outs]
+
+
+def test_filters_at_their_limit_equal_greedy(llm, qwen3_tied):
+    prompts = _prompts(0, [5, 20, 33])
+    greedy = _ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False))
+    assert greedy == [hf_greedy(qwen3_tied, p, N) for p in prompts]
+    for opts in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0), dict(top_k=3, top_p=1e-6)):
+        sp = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, **opts)
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == greedy, opts
+
+
+def test_seed_is_independent_of_the_batch(llm):
+    prompt = _prompts(1, [10])[0]
+    seeded = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, seed=1234)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    others = _prompts(2, [7, 40, 3])
+    unseeded = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True)
+    batch = llm.generate(others[:2] + [prompt] + others[2:], [unseeded, unseeded, seeded, unseeded], use_tqdm=False)
+    assert batch[2]["token_ids"] == alone
+    other_seed = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, seed=4321)
+    assert llm.generate([prompt], other_seed, use_tqdm=False)[0]["token_ids"] != alone
+    # the same seed twice in one batch gives the same tokens twice
+    twice = llm.generate([prompt, prompt], seeded, use_tqdm=False)
+    assert twice[0]["token_ids"] == twice[1]["token_ids"] == alone
+
+
+def test_stop_strings_cut_the_text(llm):
+    prompt = "Once upon a time"
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    text = base["text"]
+    assert len(text) > 10
+    stop = text[6:9]
+    cut = text.index(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "\x00"]),
+                       use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out["text"] == text[:cut]
+    n = len(out["token_ids"])
+    assert out["token_ids"] == base["token_ids"][:n] and n < 30
+    # the stop string is complete with the last token and not before it
+    tok = llm.tokenizer
+    assert stop in tok.decode(out["token_ids"]) and stop not in tok.decode(out["token_ids"][:-1])
+
+
+def test_stop_token_ids(llm):
+    prompt = _prompts(3, [12])[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
+    stop_id = base["token_ids"][4]
+    first = base["token_ids"].index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out["token_ids"] == base["token_ids"][: first + 1] and out["finish_reason"] == "stop"
+
+
+def test_min_tokens_holds_eos_back(llm):
+    prompt = _prompts(4, [12])[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
+    eos = base["token_ids"][0]
+    old = llm.scheduler.eos_token_ids, llm.config.eos_token_ids
+    llm.scheduler.eos_token_ids, llm.config.eos_token_ids = {eos}, [eos]
+    try:
+        stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N), use_tqdm=False)[0]
+        assert stopped["token_ids"] == [eos] and stopped["finish_reason"] == "stop"
+        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, min_tokens=6), use_tqdm=False)[0]
+        assert len(held["token_ids"]) >= 6 and eos not in held["token_ids"][:6]
+        # stop ids are held back too
+        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, min_tokens=3, ignore_eos=True,
+                                                     stop_token_ids=[eos]), use_tqdm=False)[0]
+        assert eos not in held["token_ids"][:3]
+    finally:
+        llm.scheduler.eos_token_ids, llm.config.eos_token_ids = old
+
+
+def test_logprobs_match_transformers(llm, qwen3_tied):
+    prompt = _prompts(5, [9])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, logprobs=3, seed=7),
+                       use_tqdm=False)[0]
+    ids = prompt + out["token_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(qwen3_tied)(torch.tensor([ids])).logits[0].float(), -1)
+    assert len(out["logprobs"]) == 8
+    for i, (token, lp) in enumerate(zip(out["token_ids"], out["logprobs"])):
+        row = ref[len(prompt) - 1 + i]
+        top = row.topk(3)
+        assert set(top.indices.tolist()) <= set(lp) and token in lp and len(lp) <= 4
+        for tid, value in lp.items():
+            assert math.isclose(value, row[tid].item(), abs_tol=1e-4)
+
+
+def test_logprobs_zero_gives_only_the_sampled_token(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0]
+    assert [list(d) for d in out["logprobs"]] == [[t] for t in out["token_ids"]]
+    assert all(v <= 0 for d in out["logprobs"] for v in d.values())
+
+
+def test_repetition_penalty_matches_transformers(llm, qwen3_tied):
+    prompt = _prompts(6, [15])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.8),
+                       use_tqdm=False)[0]["token_ids"]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf_model(qwen3_tied).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                            min_new_tokens=N, do_sample=False, repetition_penalty=1.8,
+                                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == ref
+    assert out != hf_greedy(qwen3_tied, prompt, N)  # the penalty changed something
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 0.7), (-0.5, 1.0)])
+def test_presence_and_frequency_penalties(llm, qwen3_tied, presence, frequency):
+    """Greedy with OpenAI-style penalties on generated tokens: logit - presence*[seen] - frequency*count."""
+    prompt = _prompts(7, [10])[0]
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, presence_penalty=presence,
+                        frequency_penalty=frequency)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
+    model, ids, generated = hf_model(qwen3_tied), list(prompt), []
+    with torch.no_grad():
+        for _ in range(N):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.numel()).float()
+            logits = logits - presence * (counts > 0) - frequency * counts
+            generated.append(int(logits.argmax()))
+            ids.append(generated[-1])
+    assert out == generated
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token whose probability is zero"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize("temperature, opts, expect", [
+    (1.0, {}, lambda p: p),
+    (0.5, {}, lambda p: p),
+    (1.0, {"top_k": 4}, lambda p: p * (p >= p.sort(descending=True).values[3])),
+    (1.0, {"top_p": 0.7}, None),
+    (1.0, {"min_p": 0.1}, lambda p: p * (p >= 0.1 * p.max())),
+])
+def test_sampled_frequencies_match_the_distribution(temperature, opts, expect):
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+    probs = torch.softmax(logits / temperature, -1)
+    if expect is not None:
+        probs = expect(probs)
+    else:  # top-p: the smallest prefix of the sorted tokens whose mass reaches top_p
+        sorted_p, order = probs.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < opts["top_p"]
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+    probs = probs / probs.sum()
+    rows = 40000
+    st = SamplingTensors(torch.full((rows,), temperature))
+    if "top_k" in opts:
+        st.top_ks = torch.full((rows,), opts["top_k"])
+    if "top_p" in opts:
+        st.top_ps = torch.full((rows,), opts["top_p"])
+    if "min_p" in opts:
+        st.min_ps = torch.full((rows,), opts["min_p"])
+    tokens, _ = Sampler()(logits.expand(rows, -1).clone(), st, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tokens, minlength=8).float()
+    df = int((probs > 0).sum()) - 1
+    assert _chi_square(counts, probs) < CHI2_999[df]
+    # a wrong distribution is rejected: the same counts against the untempered, unfiltered softmax
+    if temperature != 1.0 or opts:
+        wrong = torch.softmax(logits, -1)
+        with pytest.raises(AssertionError):
+            assert _chi_square(counts, wrong) < CHI2_999[7]
+
+
+def test_streaming_equals_generate(llm):
+    prompts = ["Once upon a time", "Hello world"] + _prompts(8, [20])
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=25, ignore_eos=True, seed=3, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    full = llm.generate(prompts, params, use_tqdm=False)
+    texts, ids, finished, logprobs = ["", "", ""], [[], [], []], [None] * 3, [[], [], []]
+    for item in llm.generate(prompts, params, use_tqdm=False, stream=True):
+        i = item["index"]
+        assert finished[i] is None, "no item after the finishing one"
+        texts[i] += item["text"]
+        ids[i] += item["token_ids"]
+        logprobs[i] += item.get("logprobs", [])
+        if item["finished"]:
+            finished[i] = item["finish_reason"]
+    assert texts == [o["text"] for o in full]
+    assert ids == [o["token_ids"] for o in full]
+    assert finished == [o["finish_reason"] for o in full]
+    assert logprobs[1] == full[1]["logprobs"]
+
+
+def test_streaming_with_stop_strings_holds_back_text(llm):
+    prompt = "Once upon a time"
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    stop = base["text"][8:12]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop)
+    expected = llm.generate([prompt], sp, use_tqdm=False)[0]
+    streamed = "".join(item["text"] for item in llm.stream([prompt], sp))
+    assert streamed == expected["text"] and stop not in streamed
+
+
+def test_abandoned_stream_leaves_the_engine_clean(llm, qwen3_tied):
+    it = llm.stream(_prompts(9, [10, 10]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(it)
+    it.close()
+    assert llm.scheduler.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    prompt = _prompts(10, [6])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 8)
+
+
+def test_incremental_detokenizer_multibyte():
+    tok = _tokenizer()
+    text = "Ünïcödé: café 東京 Привет 🙂 done"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_prompt_token_ids_in_output(llm):
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out["prompt_token_ids"] == llm.tokenizer.encode("Hello world")
+
+
+def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(qwen3_tied, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.7, top_k=1, top_p=0.9)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(path), kvcache_block_size=16)
+    assert (llm.default_sampling_params.temperature, llm.default_sampling_params.top_k) == (0.7, 1)
+    prompt = _prompts(11, [8])[0]
+    out = llm.generate([prompt], use_tqdm=False)[0]  # top_k=1: greedy whatever the temperature
+    assert out["token_ids"] == hf_greedy(str(path), prompt, len(out["token_ids"]))[: len(out["token_ids"])]
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(top_k=-2), ValueError), (dict(top_p=0.0), ValueError), (dict(top_p=1.5), ValueError),
+    (dict(min_p=-0.1), ValueError), (dict(min_p=1.1), ValueError), (dict(seed="x"), TypeError),
+    (dict(min_tokens=-1), ValueError), (dict(min_tokens=100, max_tokens=10), ValueError),
+    (dict(stop=[1]), TypeError), (dict(stop=""), ValueError), (dict(stop_token_ids=[-1]), ValueError),
+    (dict(logprobs=-1), ValueError), (dict(repetition_penalty=0.0), ValueError),
+    (dict(presence_penalty=3.0), ValueError), (dict(frequency_penalty=-2.5), ValueError),
+    (dict(top_k=1.5), TypeError), (dict(ignore_eos="yes"), TypeError),
+])
+def test_bad_sampling_options(kwargs, error):
+    with pytest.raises(error):
+        SamplingParams(**kwargs)
