@@ -1,0 +1,90 @@
+"""Engine on CUDA (skipped without a GPU): exact greedy tokens in float32, graphs equal eager."""
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.cuda_graph import bucket_for, decode_buckets
+from tests.tiny_models import hf_greedy
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    # float32 matmuls must really be float32 for token-exact comparisons
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _prompts(seed, lengths):
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("eager", [True, False])
+def test_cuda_greedy_matches_transformers(qwen3_tied, backend, block_size, eager):
+    llm = LLM(qwen3_tied, device="cuda", dtype="float32", kvcache_block_size=block_size, enforce_eager=eager,
+              attention_backend=backend, max_num_seqs=37, max_model_len=1024, gpu_memory_utilization=0.3)
+    prompts = _prompts(0, [3, 17, 70, 300, 513])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 24)
+    llm.exit()
+
+
+def test_cuda_chunked_prefill_prefix_cache_and_preemption(qwen3_untied_mha):
+    llm = LLM(qwen3_untied_mha, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=40,
+              max_model_len=256, max_num_batched_tokens=100)
+    prompts = _prompts(1, [120, 60, 200, 33, 90])
+    prompts.append(prompts[0] + [5, 6, 7])  # a prefix hit
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(qwen3_untied_mha, prompt, 40)
+    llm.exit()
+
+
+def test_graph_replay_equals_eager_bf16(qwen3_tied):
+    prompts = _prompts(2, [5, 40, 100, 7, 64, 250, 31])
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    results = []
+    for eager in (True, False):
+        llm = LLM(qwen3_tied, device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=100,
+                  max_model_len=512, gpu_memory_utilization=0.3)
+        results.append(llm.generate(prompts, sp, use_tqdm=False))
+        llm.exit()
+    for a, b in zip(*results):
+        assert a["token_ids"] == b["token_ids"]
+        for da, db in zip(a["logprobs"], b["logprobs"]):
+            for tid in da:
+                assert abs(da[tid] - db[tid]) < 1e-2
+
+
+def test_every_batch_size_finds_a_graph(qwen3_tied):
+    llm = LLM(qwen3_tied, device="cuda", dtype="bfloat16", max_num_seqs=100, max_model_len=256,
+              gpu_memory_utilization=0.3)
+    assert llm.model_runner.graphs.buckets[-1] == 100
+    for bs in range(1, 101):
+        assert bucket_for(decode_buckets(100), bs) >= bs
+    prompts = _prompts(3, [8] * 100)  # 97..100 once failed in nano-vllm
+    outs = llm.generate(prompts[:97], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o["token_ids"]) == 4 for o in outs)
+    llm.exit()
+
+
+def test_bench_runs_on_the_dummy_qwen3_0_6b():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--num-seqs", "16", "--max-input", "256",
+                          "--max-output", "64", "--no-tqdm"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tok/s" in out.stdout
