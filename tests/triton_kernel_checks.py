@@ -134,9 +134,10 @@ def test_prefill_fresh(group, head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 2), (32, 128, 4), (256, 64, 1), (256, 128, 2)])
 def test_prefill_history(block_size, head_dim, group, dtype):
-    # prefix hit (40 of 300), decode-like chunk (1 of 70), no history (17 of 17), later chunk (64 of 130)
-    check_prefill([40, 1, 17, 64], [300, 70, 17, 130], block_size, heads=2 * group, kv_heads=2, head_dim=head_dim,
-                  dtype=dtype)
+    # prefix hit (40 of 300), decode-like chunk (1 of 70), no history (17 of 17), later chunk (64 of 130),
+    # and 3 of 65: the first query sits at 62, just before a key-tile edge (unmasked/masked loop boundary)
+    check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], block_size, heads=2 * group, kv_heads=2,
+                  head_dim=head_dim, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
