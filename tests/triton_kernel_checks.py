@@ -34,6 +34,14 @@ def block_tables_for(lengths: list[int], block_size: int, num_blocks: int, devic
     return table.to(device)
 
 
+def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """Random q [tokens, heads, head_dim], k, v [tokens, kv_heads, head_dim] as strided views of one fused projection
+    output, like the model passes them (row stride (heads + 2 * kv_heads) * head_dim)."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+
 def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
@@ -53,8 +61,7 @@ def reference(fn, *tensors_and_rest):
 def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
     num_blocks, tokens = 6, 11
     k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
-    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
-    v = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
     slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
     slots[[1, 4, 10]] = -1
     slots = slots.to(device)
@@ -74,9 +81,7 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
     """lens_k None: no history (keys are the fresh k, v). Else sequence s has lens_k[s] cached tokens, the last
     lens_q[s] of them new, read through block tables."""
     tokens = sum(lens_q)
-    q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
-    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
-    v = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
     scale = head_dim ** -0.5
     if lens_k is None:
         k_cache = v_cache = torch.empty(0, device=device)
@@ -99,7 +104,7 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
     k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
-    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
+    q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     context = Context(False, context_lens=lens, block_tables=tables)
     scale = head_dim ** -0.5

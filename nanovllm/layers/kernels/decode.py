@@ -130,10 +130,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert num_heads % num_kv_heads == 0 and context_lens.is_contiguous()
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size

@@ -1,9 +1,9 @@
 """Causal flash attention over packed variable-length sequences, keys from k/v or from the paged cache.
 
-Grid: (query tiles of the longest sequence, sequences, heads). A program whose tile starts past its
-sequence's end returns at once. Each program keeps one [BLOCK_M, head_dim] fp32 accumulator and walks
-the key tiles with an online softmax: first the tiles every query row sees in full (no mask), then the
-tiles on the diagonal (causal + length mask); tiles wholly above the diagonal are never visited.
+Grid: (query tiles of the longest sequence, sequences, heads), tiles in reverse so the costliest start first. A
+program whose tile starts past its sequence's end returns at once. Each program keeps one [BLOCK_M, head_dim] fp32
+accumulator and walks the key tiles with an online softmax: first the tiles every query row sees in full (no mask),
+then the tiles on the diagonal (causal + length mask); tiles wholly above the diagonal are never visited.
 """
 import torch
 import triton
@@ -53,7 +53,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr):
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Heaviest tiles (the last ones of the longest sequences: most keys under the causal mask) start first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, head = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     len_q = tl.load(cu_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= len_q:
@@ -123,11 +125,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(-2)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and num_heads % num_kv_heads == 0
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    assert num_heads % num_kv_heads == 0
     paged = block_tables is not None
     if paged:
         assert k.dim() == 4 and k.stride() == v.stride()
