@@ -1,0 +1,46 @@
+"""Attention through the flash-attn package (optional dependency); K/V stores use our Triton kernel."""
+import torch
+
+from nanovllm.layers.attention.base import AttentionBackend
+from nanovllm.utils.context import Context
+
+PAGED_BLOCK_MULTIPLE = 256  # flash-attn's paged KV wants block_size % 256 == 0
+
+
+def _check_paged_block_size(k_cache: torch.Tensor):
+    block_size = k_cache.size(1)
+    if block_size % PAGED_BLOCK_MULTIPLE:
+        raise ValueError(f"flash-attn reads a paged KV cache only with block sizes divisible by "
+                         f"{PAGED_BLOCK_MULTIPLE}, got kvcache_block_size={block_size}: use kvcache_block_size=256 "
+                         "or attention_backend='triton'")
+
+
+class FlashAttention(AttentionBackend):
+    name = "flash_attn"
+
+    def __init__(self):
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as e:
+            raise ImportError("attention_backend='flash_attn' needs the flash-attn package: pip install flash-attn "
+                              "(or use attention_backend='triton')") from e
+        from nanovllm.layers.kernels.store_kvcache import store_kvcache
+        self._varlen, self._with_kvcache, self._store = flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        self._store(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+        if context.block_tables is not None:  # history + new tokens are all in the cache
+            _check_paged_block_size(k_cache)
+            k, v = k_cache, v_cache
+        return self._varlen(q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                            max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+                            softmax_scale=scale, causal=True, block_table=context.block_tables)
+
+    def decode(self, q, k_cache, v_cache, context: Context, scale):
+        _check_paged_block_size(k_cache)
+        # q [batch, heads, head_dim] -> one query per sequence: [batch, 1, heads, head_dim]
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
+                                 block_table=context.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)

@@ -1,0 +1,166 @@
+"""Paged decode attention: one query token per sequence, split-K ("flash decoding").
+
+Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
+padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.
+The split count is fixed by tensor shapes and the caller's context-length bound (never by context_lens values),
+so the launch can be captured in a CUDA graph; at run time each sequence's actual context is cut into
+num_splits equal runs of whole BLOCK_N tiles. With one split the kernel writes the output directly; otherwise
+it writes fp32 partials (running max, sum, unnormalised acc) that a second kernel merges.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.kernels.paged_kv import kv_rows
+
+LOG2E = 1.4426950408889634
+PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
+MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it saves
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                   context_lens_ptr, table_ptr,
+                   stride_qb, stride_qh, stride_ob, stride_oh,
+                   stride_cb, stride_ct, stride_ch, stride_table,
+                   qk_scale,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)  # empty (end <= start) for padding rows
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g  # query heads served by this program, [BLOCK_G]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]; padded rows are zeros
+
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
+    k_head_ptr = k_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
+        kv_off = (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :]
+        k = tl.load(k_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context 0 (graph padding): zeros
+        tl.store(o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        # partials laid out [batch, heads, NUM_SPLITS] (+ [HEAD_DIM] for acc), contiguous
+        num_heads = tl.num_programs(1) * GROUP
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_m_ptr + part, m_i, mask=mask_g)
+        tl.store(part_l_ptr + part, l_i, mask=mask_g)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge the splits of one (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m)."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < NUM_SPLITS
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))  # empty splits hold -inf too
+    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty (context 0): weights become 0
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l_s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(o_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU, each with >= MIN_TOKENS_PER_SPLIT tokens.
+    Depends only on shapes and the context bound, so a captured CUDA graph stays valid."""
+    want = PROGRAMS_PER_SM * _sm_count(device) // max(1, batch * num_kv_heads)
+    return max(1, min(want, max_context_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
+    if dtype == torch.float32 or head_dim > 128:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float, max_context_len: int | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
+    (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
+
+    max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
+    fix the grid. num_splits overrides the split heuristic (tests). Returns [batch, heads, head_dim] in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0 and context_lens.is_contiguous()
+    if max_context_len is None:
+        max_context_len = block_tables.size(1) * block_size
+    if num_splits is None:
+        num_splits = num_decode_splits(batch, num_kv_heads, max_context_len, q.device)
+    group = num_heads // num_kv_heads
+    block_n, warps, stages = _decode_config(head_dim, q.dtype)
+    if num_splits > 1:
+        part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, context_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
+        )
+    return out

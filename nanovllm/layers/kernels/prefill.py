@@ -1,0 +1,156 @@
+"""Causal flash attention over packed variable-length sequences, keys from k/v or from the paged cache.
+
+Grid: (query tiles of the longest sequence, sequences, heads), tiles in reverse so the costliest start first. A
+program whose tile starts past its sequence's end returns at once. Each program keeps one [BLOCK_M, head_dim] fp32
+accumulator and walks the key tiles with an online softmax: first the tiles every query row sees in full (no mask),
+then the tiles on the diagonal (causal + length mask); tiles wholly above the diagonal are never visited.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.kernels.paged_kv import kv_rows
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr, k_start,
+                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                 MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_n = offs_n < n_end  # all true for unmasked tiles; still bounds the block-table reads
+    block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, k_start, PAGED, BLOCK_SIZE, BLOCK_N)
+    k_ptrs = k_head_ptr + (block * stride_kb + row * stride_kt)[:, None] + offs_d[None, :]
+    v_ptrs = v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # Every row saw key 0 in the first tile visited, so m_new is finite and no NaN appears.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
+                    qk_scale,
+                    GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    # Heaviest tiles (the last ones of the longest sequences: most keys under the causal mask) start first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, head = tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    len_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= len_q:
+        return
+    if PAGED:
+        len_k = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
+    else:
+        len_k = len_q  # fresh k/v are packed like q
+    kv_head = head // GROUP
+    table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < len_q
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=mask_m[:, None],
+                other=0.0)
+    pos_m = len_k - len_q + offs_m  # absolute position of each query; it sees keys <= its position
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    first_pos = len_k - len_q + tile * BLOCK_M
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
+    n_end = len_k - len_q + tl.minimum((tile + 1) * BLOCK_M, len_q)  # one past the last row's last key
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr,
+                                     q_start, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION)
+    for n0 in range(full_end, n_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr,
+                                     q_start, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized for an H200 (227 KiB shared memory per SM)."""
+    if dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif head_dim <= 64:
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    elif head_dim <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 64, 4, 2
+    # Short queries (chunked prefill tails, prefix hits) waste less with a smaller tile; >= 16 for tl.dot.
+    block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
+    if block_m < 128:
+        warps = 4
+    return block_m, block_n, warps, stages
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float,
+                      block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    """q [tokens, heads, head_dim] packed by cu_seqlens_q [num_seqs + 1] int32.
+
+    block_tables None: k, v [tokens, kv_heads, head_dim] packed like q (causal self-attention).
+    block_tables [num_seqs, max_blocks] int32: k, v are the caches [num_blocks, block_size, kv_heads, head_dim];
+    sequence s attends over its first cu_seqlens_k[s+1] - cu_seqlens_k[s] cached tokens, its queries being the last
+    ones. Returns [tokens, heads, head_dim] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.size(-2)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = cu_seqlens_q.numel() - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    assert num_heads % num_kv_heads == 0
+    paged = block_tables is not None
+    if paged:
+        assert k.dim() == 4 and k.stride() == v.stride()
+        block_size, table, stride_table = k.size(1), block_tables, block_tables.stride(0)
+        stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+    else:
+        block_size, table, stride_table = 16, cu_seqlens_q, 0  # table unused
+        stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+    block_m, block_n, warps, stages = _prefill_config(head_dim, q.dtype, max_seqlen_q)
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
+        scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    return out

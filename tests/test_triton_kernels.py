@@ -1,0 +1,154 @@
+"""Triton attention kernels: interpreted on CPU (subprocess), compiled for Hopper without a GPU, and on a real GPU.
+
+The interpreter must be switched on (TRITON_INTERPRET=1) before triton is first imported, and other tests in
+this process may import triton without it, so the CPU numerics checks run in a fresh interpreter process:
+tests/triton_kernel_checks.py, one pytest subprocess per kernel.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = "tests/triton_kernel_checks.py"
+HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+
+
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode"])
+def test_kernels_interpreted(kernel):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+
+def _compile_for_hopper(fn, pointer_types: dict[str, str], constexprs: dict, **options):
+    """Compile a @triton.jit kernel for sm_90 with no GPU present: catches code-generation errors (and shared-memory
+    overflows) that the interpreter never sees. Pointers and strides are marked 16-divisible as a launch would."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = pointer_types.get(name, "fp32" if name == "qk_scale" else "i32")
+        if name in pointer_types or (name.startswith("stride_") and name != "stride_table"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (fn.__name__, constexprs, kernel.metadata.shared)
+
+
+def test_kernels_compile_for_hopper():
+    pytest.importorskip("triton")
+    from nanovllm.layers.kernels import decode, prefill, store_kvcache
+
+    for dtype, head_dim, paged in [(torch.bfloat16, 128, False), (torch.bfloat16, 128, True),
+                                   (torch.bfloat16, 64, True), (torch.float32, 128, True)]:
+        t = "bf16" if dtype == torch.bfloat16 else "fp32"
+        block_m, block_n, warps, stages = prefill._prefill_config(head_dim, dtype, 4096)
+        _compile_for_hopper(
+            prefill._prefill_kernel, {n: f"*{t}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+            | {n: "*i32" for n in ("cu_q_ptr", "cu_k_ptr", "table_ptr")},
+            dict(GROUP=2, PAGED=paged, BLOCK_SIZE=16 if head_dim == 64 else 256, BLOCK_M=block_m, BLOCK_N=block_n,
+                 HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+            num_warps=warps, num_stages=stages)
+    for dtype, head_dim, group, splits in [(torch.bfloat16, 128, 2, 1), (torch.bfloat16, 128, 8, 4),
+                                           (torch.float32, 64, 1, 4)]:
+        t = "bf16" if dtype == torch.bfloat16 else "fp32"
+        block_n, warps, stages = decode._decode_config(head_dim, dtype)
+        _compile_for_hopper(
+            decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr")}
+            | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
+            | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
+            dict(GROUP=group, BLOCK_G=max(16, group), NUM_SPLITS=splits, BLOCK_SIZE=256, BLOCK_N=block_n,
+                 HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+            num_warps=warps, num_stages=stages)
+    _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                                                       "part_acc_ptr": "*fp32"},
+                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128), num_warps=4)
+    _compile_for_hopper(store_kvcache._store_kvcache_kernel,
+                        {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i32"},
+                        dict(BLOCK_SIZE=256, BLOCK_H=8, HEAD_DIM=128), num_warps=4)
+
+
+# GPU: the compiled kernels on real shapes, against the torch reference computed in float32.
+GPU_DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_store(block_size, dtype):
+    from tests.triton_kernel_checks import check_store
+    check_store(block_size, 8, 128, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64), (8, 8, 256)])
+def test_gpu_prefill_fresh(heads, kv_heads, head_dim, dtype):
+    from tests.triton_kernel_checks import check_prefill
+    check_prefill([1, 17, 300, 2048, 129], None, 16, heads, kv_heads, head_dim, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 16, 8, 128), (256, 16, 8, 128),
+                                                               (32, 32, 4, 64)])
+def test_gpu_prefill_history(block_size, heads, kv_heads, head_dim, dtype):
+    from tests.triton_kernel_checks import check_prefill
+    check_prefill([40, 1, 17, 512, 3, 1000], [3000, 70, 17, 1536, 65, 1000], block_size, heads, kv_heads, head_dim,
+                  dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 16, 8, 128), (256, 16, 8, 128),
+                                                               (256, 32, 4, 64), (32, 8, 8, 256)])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_decode(batch, block_size, heads, kv_heads, head_dim, dtype):
+    from tests.triton_kernel_checks import check_decode
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    lens[0] = 4096
+    if batch > 1:
+        lens[1], lens[-1] = 1, 0  # shortest context and a CUDA-graph padding row
+    check_decode(lens, block_size, heads, kv_heads, head_dim, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph():
+    """Captured once, replayed with other context lengths, tables and queries: the grid must not depend on them."""
+    from nanovllm.layers.attention.torch_ref import TorchAttention
+    from nanovllm.layers.attention.triton import TritonAttention
+    from nanovllm.utils.context import Context
+    from tests.triton_kernel_checks import assert_close, block_tables_for, random_cache
+
+    batch, heads, kv_heads, head_dim, block_size, width = 8, 16, 8, 128, 16, 80
+    k_cache, v_cache = random_cache(batch * width, block_size, kv_heads, head_dim, torch.bfloat16, "cuda")
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    tables = torch.full((batch, width), -1, dtype=torch.int32, device="cuda")
+    context = Context(False, context_lens=lens, block_tables=tables)
+    backend, scale = TritonAttention(), head_dim ** -0.5
+    backend.decode(q, k_cache, v_cache, context, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.decode(q, k_cache, v_cache, context, scale)
+    for new_lens in ([1, 1024, 0, 37, 700, 256, 1, 999], [5, 0, 0, 1024, 3, 17, 512, 100]):
+        table = block_tables_for(new_lens, block_size, batch * width, "cuda")
+        tables.fill_(-1)
+        tables[:, :table.size(1)] = table
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref = TorchAttention().decode(q.float(), k_cache.float(), v_cache.float(), context, scale)
+        assert_close(out, ref, torch.bfloat16, f"graph replay context_lens={new_lens}")

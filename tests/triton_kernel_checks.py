@@ -1,0 +1,158 @@
+"""Triton attention kernels against TorchAttention on random data.
+
+Run by tests/test_triton_kernels.py in a subprocess with TRITON_INTERPRET=1 (CPU); the case builders and `check_*`
+functions are also used there by the GPU tests. Not collected on its own (no test_ prefix).
+"""
+import pytest
+import torch
+
+from nanovllm.layers.attention.torch_ref import TorchAttention
+from nanovllm.layers.attention.triton import TritonAttention
+from nanovllm.layers.kernels.decode import decode_attention
+from nanovllm.utils.context import Context
+
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2),
+              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def random_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+    """Random K and V caches, [num_blocks, block_size, kv_heads, head_dim] slices of one tensor like the engine's."""
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    return kv[0], kv[1]
+
+
+def block_tables_for(lengths: list[int], block_size: int, num_blocks: int, device) -> torch.Tensor:
+    """Distinct shuffled blocks per sequence, right-padded with -1 (plus one extra -1 column, like a wider batch)."""
+    need = [(n + block_size - 1) // block_size for n in lengths]
+    assert sum(need) <= num_blocks
+    perm = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(lengths), max(need) + 1), -1, dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(need):
+        table[s, :n] = torch.tensor(perm[start:start + n], dtype=torch.int32)
+        start += n
+    return table.to(device)
+
+
+def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """Random q [tokens, heads, head_dim], k, v [tokens, kv_heads, head_dim] as strided views of one fused projection
+    output, like the model passes them (row stride (heads + 2 * kv_heads) * head_dim)."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+
+def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def reference(fn, *tensors_and_rest):
+    """Run a TorchAttention method on float32 copies of the floating-point tensors (the exact-ish answer)."""
+    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in tensors_and_rest]
+    return fn(*args)
+
+
+def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
+    num_blocks, tokens = 6, 11
+    k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
+    slots[[1, 4, 10]] = -1
+    slots = slots.to(device)
+    ours = (k_cache.clone(), v_cache.clone())
+    ref = (k_cache.clone(), v_cache.clone())
+    TritonAttention().store_kvcache(k, v, *ours, slots)
+    TorchAttention().store_kvcache(k, v, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    written[slots[slots >= 0].long()] = True
+    for new, old in zip(ours, (k_cache, v_cache)):  # -1 slots wrote nothing: every other slot is unchanged
+        assert torch.equal(new.flatten(0, 1)[~written], old.flatten(0, 1)[~written])
+
+
+def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, heads: int, kv_heads: int,
+                  head_dim: int, dtype, device="cpu"):
+    """lens_k None: no history (keys are the fresh k, v). Else sequence s has lens_k[s] cached tokens, the last
+    lens_q[s] of them new, read through block tables."""
+    tokens = sum(lens_q)
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
+    scale = head_dim ** -0.5
+    if lens_k is None:
+        k_cache = v_cache = torch.empty(0, device=device)
+        tables, cu_k, max_k = None, cu_seqlens(lens_q, device), max(lens_q)
+    else:
+        num_blocks = sum((n + block_size - 1) // block_size for n in lens_k) + 3
+        k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        tables, cu_k, max_k = block_tables_for(lens_k, block_size, num_blocks, device), cu_seqlens(lens_k, device), \
+            max(lens_k)
+    context = Context(True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                      max_seqlen_k=max_k, block_tables=tables)
+    out = TritonAttention().prefill(q, k, v, k_cache, v_cache, context, scale)
+    ref = reference(TorchAttention().prefill, q, k, v, k_cache, v_cache, context, scale)
+    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k}")
+
+
+def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
+                 num_splits: int | None = None, device="cpu"):
+    batch = len(context_lens)
+    num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
+    k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    tables = block_tables_for(context_lens, block_size, num_blocks, device)
+    q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    context = Context(False, context_lens=lens, block_tables=tables)
+    scale = head_dim ** -0.5
+    if num_splits is None:
+        out = TritonAttention().decode(q, k_cache, v_cache, context, scale)
+    else:
+        out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits)
+    ref = reference(TorchAttention().decode, q, k_cache, v_cache, context, scale)
+    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits}")
+    for s, n in enumerate(context_lens):
+        if n == 0:  # padding row: zeros, like the reference
+            assert torch.equal(out[s], torch.zeros_like(out[s]))
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,kv_heads,head_dim", [(16, 2, 64), (32, 1, 128), (256, 3, 64)])
+def test_store(block_size, kv_heads, head_dim, dtype):
+    check_store(block_size, kv_heads, head_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_fresh(group, head_dim, dtype):
+    # ragged batch: a single token, a partial tile, several tiles
+    check_prefill([1, 17, 300], None, 16, heads=2 * group, kv_heads=2, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 2), (32, 128, 4), (256, 64, 1), (256, 128, 2)])
+def test_prefill_history(block_size, head_dim, group, dtype):
+    # prefix hit (40 of 300), decode-like chunk (1 of 70), no history (17 of 17), later chunk (64 of 130),
+    # and 3 of 65: the first query sits at 62, just before a key-tile edge (unmasked/masked loop boundary)
+    check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], block_size, heads=2 * group, kv_heads=2,
+                  head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 1), (32, 128, 2), (256, 64, 4), (256, 128, 8)])
+def test_decode(block_size, head_dim, group, dtype):
+    # 1-token and long contexts, a padding row (context 0, table all -1); the heuristic splits the 600-long one
+    check_decode([1, 600, 0, 37, 130], block_size, heads=group * 2, kv_heads=2, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_decode_splits(num_splits):
+    # forced splits: one program per sequence, a few, and more splits than tiles (empty splits)
+    check_decode([1, 600, 0, 37], 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, num_splits=num_splits)
