@@ -35,14 +35,56 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
     print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.config.num_kvcache_blocks} KV blocks")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    probe = StepProfiler(llm) if args.profile else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - t
+    if probe:
+        probe.report()
     total = sum(len(o["token_ids"]) for o in outs)
     if hasattr(llm, "exit"):
         llm.exit()
     print(f"nanovllm: {total} output tokens in {elapsed:.2f}s: {total / elapsed:,.0f} tok/s")
     return total / elapsed
+
+
+class StepProfiler:
+    """Where a step's time goes: wall time per step vs GPU time of the model forward (CUDA events)."""
+
+    def __init__(self, llm):
+        import torch
+        self.torch, self.steps = torch, {True: [], False: []}
+        runner, engine_step = llm.model_runner, llm.step
+        run_model = runner.run_model
+
+        def timed_run_model(input_ids, positions, is_prefill):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run_model(input_ids, positions, is_prefill)
+            end.record()
+            self.current = (is_prefill, start, end)
+            return out
+
+        def timed_step():
+            t = time.perf_counter()
+            result = engine_step()
+            is_prefill, start, end = self.current
+            self.steps[is_prefill].append((time.perf_counter() - t, start, end))
+            return result
+
+        runner.run_model, llm.step = timed_run_model, timed_step
+
+    def report(self):
+        self.torch.cuda.synchronize()
+        for is_prefill, rows in self.steps.items():
+            if not rows:
+                continue
+            wall = sum(r[0] for r in rows) * 1e3
+            gpu = sum(s.elapsed_time(e) for _, s, e in rows)
+            n = len(rows)
+            print(f"{'prefill' if is_prefill else 'decode '} steps: {n:5d}, wall {wall / n:7.2f} ms/step, "
+                  f"model forward on GPU {gpu / n:7.2f} ms/step, rest (CPU, sampling, sync) "
+                  f"{(wall - gpu) / n:6.2f} ms/step; total {wall / 1e3:6.2f} s")
 
 
 def run_hf(args, prompts, max_tokens) -> float:
@@ -95,6 +137,7 @@ def main():
     p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print wall vs GPU time per prefill/decode step")
     args = p.parse_args()
     if args.model is None:
         args.model, args.dummy = DEFAULT_CONFIG, True
