@@ -56,7 +56,14 @@ class LLMEngine:
             return
         self._closed = True
         atexit.unregister(self.exit)
+        on_cuda = self.config.device == "cuda"
         self.model_runner = None
+        if on_cuda:  # hand the cache, weights and graph pool back to the device
+            import gc
+
+            import torch
+            gc.collect()
+            torch.cuda.empty_cache()
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
