@@ -60,7 +60,7 @@ class ModelRunner:
             budget = int(config.cpu_kvcache_gb * 2**30)
             num_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else budget // self.block_bytes
         self.allocate_kv_cache(num_blocks)
-        if self.is_cuda and not config.enforce_eager:
+        if self.is_cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 

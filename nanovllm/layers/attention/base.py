@@ -10,6 +10,7 @@ class AttentionBackend:
     """
 
     name = "base"
+    supports_cuda_graphs = True  # False: decode runs eagerly (the backend syncs with the host)
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor):

@@ -15,6 +15,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    supports_cuda_graphs = False  # boolean-mask indexing in store_kvcache syncs with the host
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         keep = slot_mapping >= 0
