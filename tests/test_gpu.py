@@ -55,12 +55,12 @@ def test_cuda_chunked_prefill_prefix_cache_and_preemption(qwen3_untied_mha):
     llm.exit()
 
 
-def test_graph_replay_equals_eager_bf16(qwen3_tied):
+def test_graph_replay_equals_eager(qwen3_tied):
     prompts = _prompts(2, [5, 40, 100, 7, 64, 250, 31])
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     results = []
     for eager in (True, False):
-        llm = LLM(qwen3_tied, device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=100,
+        llm = LLM(qwen3_tied, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=100,
                   max_model_len=512, num_kvcache_blocks=16)
         results.append(llm.generate(prompts, sp, use_tqdm=False))
         llm.exit()
@@ -68,7 +68,7 @@ def test_graph_replay_equals_eager_bf16(qwen3_tied):
         assert a["token_ids"] == b["token_ids"]
         for da, db in zip(a["logprobs"], b["logprobs"]):
             for tid in da:
-                assert abs(da[tid] - db[tid]) < 1e-2
+                assert abs(da[tid] - db[tid]) < 1e-3
 
 
 def test_every_batch_size_finds_a_graph(qwen3_tied):

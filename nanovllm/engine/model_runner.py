@@ -6,6 +6,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
+from nanovllm.layers.compile import compile_small_ops
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
 from nanovllm.utils.context import get_context, reset_context, set_context
@@ -52,6 +53,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
+        if self.is_cuda and not config.enforce_eager:
+            compile_small_ops(self.model)
         if self.is_cuda:
             from nanovllm.engine import cuda_memory
             cuda_memory.warmup(self)

@@ -1,22 +1,35 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.compile import compiled
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize the last dimension in float32, as transformers does, then scale."""
+    orig_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(orig_dtype) * weight
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add fused into the norm's pass."""
+    x = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(x, weight, eps), x
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        orig_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x.to(orig_dtype) * self.weight
+    def use_compiled(self):
+        self.norm_fn, self.add_norm_fn = compiled(rms_norm), compiled(add_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`, adds it first and returns (normed, new residual): one pass instead of two."""
+        """With `residual`, adds it first and returns (normed, new residual)."""
         if residual is None:
-            return self._norm(x)
-        x = (x.float() + residual.float()).to(x.dtype)
-        return self._norm(x), x
+            return self.norm_fn(x, self.weight, self.eps)
+        return self.add_norm_fn(x, residual, self.weight, self.eps)

@@ -3,6 +3,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.layers.compile import compiled
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3 rope scaling: long wavelengths slowed by `factor`, a smooth ramp in between."""
@@ -30,10 +32,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
+        self.fn = apply_rotary
+
+    def use_compiled(self):
+        self.fn = compiled(apply_rotary)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.fn(positions, q, k, self.cos_sin_cache)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
