@@ -85,6 +85,8 @@ class StepProfiler:
             print(f"{'prefill' if is_prefill else 'decode '} steps: {n:5d}, wall {wall / n:7.2f} ms/step, "
                   f"model forward on GPU {gpu / n:7.2f} ms/step, rest (CPU, sampling, sync) "
                   f"{(wall - gpu) / n:6.2f} ms/step; total {wall / 1e3:6.2f} s")
+            if is_prefill:
+                print("  prefill steps (wall ms):", " ".join(f"{r[0] * 1e3:.0f}" for r in rows))
 
 
 def run_hf(args, prompts, max_tokens) -> float:

@@ -20,6 +20,7 @@ VARIANTS = {
                                                     frequency_penalty=0.5),
     "seeded": dict(temperature=0.6, seed=1),
     "logprobs=5": dict(temperature=0.6, logprobs=5),
+    "plain again (order check)": dict(temperature=0.6),
 }
 
 
@@ -33,7 +34,9 @@ def main():
     p.add_argument("--dummy", action="store_true", help="random weights (implied for the bundled configs)")
     args = p.parse_args()
     dummy = args.dummy or not os.path.exists(os.path.join(args.model, "model.safetensors"))
-    llm = LLM(args.model, load_format="dummy" if dummy else "auto", max_model_len=args.input_len + args.output_len + 8)
+    # no prefix caching: every variant prefills the same prompts from scratch
+    llm = LLM(args.model, load_format="dummy" if dummy else "auto", max_model_len=args.input_len + args.output_len + 8,
+              enable_prefix_caching=False)
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.num_seqs)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)
