@@ -5,9 +5,9 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.workers import start_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import load_tokenizer
 
@@ -28,7 +28,7 @@ class LLMEngine:
                 raise
             self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.vocab_size = config.hf_config.vocab_size
-        self.model_runner = ModelRunner(config, 0)
+        self.model_runner = start_model_runner(config)  # with tensor_parallel_size > 1, spawns the other ranks
         self.scheduler = Scheduler(config)
         self._closed = False
         atexit.register(self.exit)
@@ -38,6 +38,8 @@ class LLMEngine:
             return
         self._closed = True
         atexit.unregister(self.exit)
+        if self.model_runner is not None:
+            self.model_runner.exit()
         self.model_runner = None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -83,7 +85,7 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small "
                                "for the waiting requests")
-        token_ids = self.model_runner.run(seqs, is_prefill)
+        token_ids = self.model_runner.call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         return finished, num_tokens
