@@ -277,8 +277,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_tp2_equals_tp1_in_float32(qwen3_untied_mha, enforce_eager):
     prompts = _prompts(8, [3, 17, 70, 300])
-    options = dict(device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=8,
-                   enforce_eager=enforce_eager)
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=512,
+                   num_kvcache_blocks=8, enforce_eager=enforce_eager)
     outs = {}
     for tp in (1, 2):
         with LLM(qwen3_untied_mha, tensor_parallel_size=tp, **options) as llm:
@@ -289,7 +289,8 @@ def test_cuda_tp2_equals_tp1_in_float32(qwen3_untied_mha, enforce_eager):
 @pytest.mark.gpu
 @two_gpus
 def test_cuda_two_engines_and_a_dying_worker(qwen3_tied, qwen3_untied_mha):
-    options = dict(device="cuda", dtype="float32", max_model_len=2048, num_kvcache_blocks=64, tensor_parallel_size=2)
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=2048,
+                   num_kvcache_blocks=64, tensor_parallel_size=2)
     prompts = _prompts(9, [5, 40])
     # eager, so that the long generate below is still running when its worker is killed
     with LLM(qwen3_tied, enforce_eager=True, **options) as a, LLM(qwen3_untied_mha, **options) as b:
@@ -306,3 +307,13 @@ def test_cuda_two_engines_and_a_dying_worker(qwen3_tied, qwen3_untied_mha):
         killer.join()
         assert _tokens(b.generate(prompts, GREEDY, use_tqdm=False)) == \
             [hf_greedy(qwen3_untied_mha, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_bench_runs_with_tp2():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--tp", "2", "--num-seqs", "16",
+                           "--min-input", "16", "--max-input", "256", "--min-output", "8", "--max-output", "64",
+                           "--no-tqdm"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tok/s" in done.stdout
