@@ -19,8 +19,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.engine.channel import RpcChannel
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.workers import RpcChannel, WorkerError, check_tensor_parallel
+from nanovllm.engine.workers import WorkerError, check_tensor_parallel
 from tests.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -3,31 +3,25 @@
 Rank 0 (the user's process) schedules, samples and holds the tokenizer. `ModelRunner.call(method, *args)`
 pickles (method, args) into a shared-memory segment, wakes every worker through its own event and then
 runs the method itself; each worker runs the same method on its shard of the weights, and the
-collectives inside the model (all_reduce, gather) join the results. docs/tensor_parallel.md has the
-whole design: rendezvous, failure handling and shutdown.
+collectives inside the model (all_reduce, gather) join the results. The channel is in channel.py;
+docs/tensor_parallel.md has the whole design: rendezvous, failure handling and shutdown.
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import secrets
 import signal
-import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context, parent_process
-from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.channel import ChannelEnd, RpcChannel
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils.distributed import TPGroup
 
@@ -84,114 +78,6 @@ def cpu_threads_per_rank(world_size: int) -> int:
     """Ranks on CPU share the cores: more threads than cores make every collective wait on a
     descheduled thread (on 2 cores, 3 threads run TP=2 about 15x slower than 2)."""
     return max(1, (os.cpu_count() or 1) // world_size)
-
-
-# ---- the RPC channel ------------------------------------------------------------------------------
-
-_HEADER = struct.Struct("<QH")  # message length, length of the data segment's name (the name follows)
-_CONTROL_BYTES = 256
-
-
-@dataclass
-class ChannelEnd:
-    """What one worker needs to attach to the channel; travels to it through spawn."""
-    prefix: str
-    ready: Event  # rank 0 -> worker: a message is waiting
-    consumed: Event  # worker -> rank 0: the worker has read it; the buffer may be reused
-
-
-class RpcChannel:
-    """Rank 0 `send`s one pickled (method, args) message at a time; every worker `recv`s it.
-
-    A small control segment holds the message length and the name of the data segment holding the
-    message. A message larger than the data segment moves to a new segment (twice its size, with a
-    fresh name, announced in the control segment), so message size has no fixed cap. Segment names
-    are unique to the engine: `nanovllm_<pid>_<random>_c` and `..._d<n>`.
-    """
-
-    initial_bytes = 1 << 20
-
-    def __init__(self, prefix: str, ends: list[ChannelEnd], owner: bool):
-        self.prefix, self.ends, self.owner = prefix, ends, owner
-        self.control = SharedMemory(prefix + "_c", create=owner, size=_CONTROL_BYTES if owner else 0)
-        self.data: SharedMemory | None = None
-        self._generation = 0
-
-    @classmethod
-    def create(cls, ctx, num_workers: int) -> RpcChannel:
-        prefix = f"nanovllm_{os.getpid()}_{secrets.token_hex(4)}"
-        ends = [ChannelEnd(prefix, ctx.Event(), ctx.Event()) for _ in range(num_workers)]
-        for end in ends:
-            end.consumed.set()
-        channel = cls(prefix, ends, owner=True)
-        try:
-            channel._new_data_segment(cls.initial_bytes)
-        except BaseException:
-            channel.close()
-            raise
-        return channel
-
-    @classmethod
-    def attach(cls, end: ChannelEnd) -> RpcChannel:
-        return cls(end.prefix, [end], owner=False)
-
-    def _new_data_segment(self, size: int):
-        old = self.data
-        self._generation += 1
-        self.data = SharedMemory(f"{self.prefix}_d{self._generation}", create=True, size=size)
-        if old is not None:  # workers that still map it keep their mapping until they move on
-            old.close()
-            old.unlink()
-
-    def send(self, method: str, *args, check: Callable[[], None] | None = None, timeout: float | None = None):
-        """Rank 0. `check` runs while waiting for a worker and may raise to give up."""
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for end in self.ends:  # never overwrite a message a worker has not read yet
-            while not end.consumed.wait(0.05):
-                if check is not None:
-                    check()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"a worker did not read the previous message within {timeout}s")
-        if len(payload) > self.data.size:
-            self._new_data_segment(2 * len(payload))
-        self.data.buf[: len(payload)] = payload
-        name = self.data.name.encode()
-        _HEADER.pack_into(self.control.buf, 0, len(payload), len(name))
-        self.control.buf[_HEADER.size : _HEADER.size + len(name)] = name
-        for end in self.ends:
-            end.consumed.clear()  # before `ready`, so the worker's `consumed.set` cannot be lost
-            end.ready.set()
-
-    def recv(self, check: Callable[[], None] | None = None) -> tuple[str, tuple]:
-        """A worker. `check` runs about once a second while idle and may raise to give up."""
-        end = self.ends[0]
-        while not end.ready.wait(1.0):
-            if check is not None:
-                check()
-        end.ready.clear()
-        length, name_length = _HEADER.unpack_from(self.control.buf, 0)
-        name = bytes(self.control.buf[_HEADER.size : _HEADER.size + name_length]).decode()
-        if self.data is None or self.data.name != name:  # rank 0 moved to a larger segment
-            if self.data is not None:
-                self.data.close()
-            self.data = SharedMemory(name)
-        method, args = pickle.loads(self.data.buf[:length])
-        end.consumed.set()
-        return method, args
-
-    def close(self):
-        """Unmap the segments; the owner (rank 0) also removes them."""
-        for shm in (self.data, self.control):
-            if shm is None:
-                continue
-            shm.close()
-            if self.owner:
-                try:
-                    shm.unlink()
-                except FileNotFoundError:
-                    pass
-        self.data = self.control = None
 
 
 # ---- rank 0's side --------------------------------------------------------------------------------
