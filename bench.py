@@ -49,42 +49,48 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
 
 
 class StepProfiler:
-    """Where a step's time goes: wall time per step vs GPU time of the model forward (CUDA events)."""
+    """Where a step's time goes: wall time per step, the model forward and the sampler on the GPU (CUDA events);
+    the remainder is host time (scheduling, tensor preparation, postprocessing) not hidden behind the GPU."""
 
     def __init__(self, llm):
         import torch
         self.torch, self.steps = torch, {True: [], False: []}
         runner, engine_step = llm.model_runner, llm.step
-        run_model = runner.run_model
+        run_model, sampler = runner.run_model, runner.sampler
+        self.events = []
 
-        def timed_run_model(input_ids, positions, is_prefill):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = run_model(input_ids, positions, is_prefill)
-            end.record()
-            self.current = (is_prefill, start, end)
-            return out
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.events.append((start, end))
+                return out
+            return wrapper
 
         def timed_step():
+            self.events = []
             t = time.perf_counter()
             result = engine_step()
-            is_prefill, start, end = self.current
-            self.steps[is_prefill].append((time.perf_counter() - t, start, end))
+            is_prefill = result[1] > 0
+            self.steps[is_prefill].append((time.perf_counter() - t, list(self.events)))
             return result
 
-        runner.run_model, llm.step = timed_run_model, timed_step
+        runner.run_model, runner.sampler, llm.step = timed(run_model), timed(sampler), timed_step
 
     def report(self):
         self.torch.cuda.synchronize()
         for is_prefill, rows in self.steps.items():
             if not rows:
                 continue
-            wall = sum(r[0] for r in rows) * 1e3
-            gpu = sum(s.elapsed_time(e) for _, s, e in rows)
             n = len(rows)
-            print(f"{'prefill' if is_prefill else 'decode '} steps: {n:5d}, wall {wall / n:7.2f} ms/step, "
-                  f"model forward on GPU {gpu / n:7.2f} ms/step, rest (CPU, sampling, sync) "
-                  f"{(wall - gpu) / n:6.2f} ms/step; total {wall / 1e3:6.2f} s")
+            wall = sum(r[0] for r in rows) * 1e3
+            model = sum(r[1][0][0].elapsed_time(r[1][0][1]) for r in rows)
+            sample = sum(r[1][1][0].elapsed_time(r[1][1][1]) for r in rows if len(r[1]) > 1)
+            print(f"{'prefill' if is_prefill else 'decode '} steps: {n:5d}, wall {wall / n:7.2f} ms/step = model "
+                  f"forward {model / n:7.2f} + sampler {sample / n:5.2f} + host {(wall - model - sample) / n:5.2f} "
+                  f"ms/step; total {wall / 1e3:6.2f} s")
             if is_prefill:
                 print("  prefill steps (wall ms):", " ".join(f"{r[0] * 1e3:.0f}" for r in rows))
 

@@ -129,3 +129,12 @@ def test_per_prompt_sampling_params_and_many_sequences(qwen3_tied):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, sp, out in zip(prompts, params, outs):
         assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, sp.max_tokens)
+
+
+def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
+    # The cache is torch.empty: memory freed by an earlier engine may hold NaN, and a decode step
+    # reads whole blocks, past each sequence's length.
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    llm.model_runner.kv_cache.fill_(float("nan"))
+    prompts = _prompts(13, [5, 21])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)

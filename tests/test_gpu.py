@@ -84,7 +84,9 @@ def test_every_batch_size_finds_a_graph(qwen3_tied):
 
 
 def test_bench_runs_on_the_dummy_qwen3_0_6b():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--num-seqs", "16", "--min-input", "16",
-                          "--max-input", "256", "--min-output", "8", "--max-output", "64", "--no-tqdm"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    args = ["--num-seqs", "16", "--min-input", "16", "--max-input", "256", "--min-output", "8", "--max-output", "64",
+            "--no-tqdm"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tok/s" in out.stdout

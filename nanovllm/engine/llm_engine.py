@@ -9,9 +9,9 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.workers import start_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import load_tokenizer
 
@@ -45,7 +45,7 @@ class LLMEngine:
                 raise
             self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.vocab_size = config.hf_config.vocab_size
-        self.model_runner = ModelRunner(config, 0)
+        self.model_runner = start_model_runner(config)  # with tensor_parallel_size > 1, spawns the other ranks
         self.scheduler = Scheduler(config)
         self.default_sampling_params = default_sampling_params(config.model)
         self._closed = False
@@ -57,6 +57,8 @@ class LLMEngine:
         self._closed = True
         atexit.unregister(self.exit)
         on_cuda = self.config.device == "cuda"
+        if self.model_runner is not None:
+            self.model_runner.exit()
         self.model_runner = None
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import gc
@@ -108,7 +110,7 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small "
                                "for the waiting requests")
-        token_ids, logprobs = self.model_runner.run(seqs, is_prefill)
+        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
         updated = self.scheduler.postprocess(seqs, token_ids, logprobs)
         for seq in updated:
             if seq.detokenizer is not None:

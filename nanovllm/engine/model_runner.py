@@ -1,5 +1,6 @@
 import logging
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,7 +11,11 @@ from nanovllm.layers.compile import compile_small_ops
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
 from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.distributed import TPGroup, building_for
 from nanovllm.utils.loader import init_dummy_weights, load_weights
+
+if TYPE_CHECKING:
+    from nanovllm.engine.workers import Workers
 
 logger = logging.getLogger("nanovllm")
 
@@ -26,11 +31,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    """Turns scheduled sequences into tensors, runs the model and samples (rank 0)."""
+    """Turns scheduled sequences into tensors, runs the model and samples (rank 0).
 
-    def __init__(self, config: Config, rank: int = 0):
+    With tensor parallelism every rank has one, built for its shard; rank 0's also holds `workers`,
+    the other ranks, and `call` runs a method on all of them (see engine/workers.py)."""
+
+    def __init__(self, config: Config, rank: int = 0, group: TPGroup | None = None, workers: "Workers | None" = None):
         self.config = config
         self.rank = rank
+        self.group, self.workers = group, workers
         self.block_size = config.kvcache_block_size
         self.world_size = config.tensor_parallel_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
@@ -39,7 +48,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         hf = config.hf_config
         torch.manual_seed(config.seed)
-        with _default_dtype(config.torch_dtype), self.device:
+        with _default_dtype(config.torch_dtype), self.device, building_for(group):
             self.model = build_model(hf)
             if config.load_format == "dummy":
                 init_dummy_weights(self.model, config.seed)
@@ -62,10 +71,22 @@ class ModelRunner:
         else:
             budget = int(config.cpu_kvcache_gb * 2**30)
             num_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else budget // self.block_bytes
+        if group is not None:  # every rank must hold the same blocks; the scheduler counts rank 0's
+            num_blocks = group.min(num_blocks, self.device)
         self.allocate_kv_cache(num_blocks)
         if self.is_cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+
+    def call(self, method: str, *args):
+        """Run `method` on every rank (rank 0 sends it to the workers first); rank 0's result."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        return self.workers.call(self, method, *args)
+
+    def exit(self):
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @property
     def block_bytes(self) -> int:

@@ -22,6 +22,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = copy(token_ids)
+        self.token_offset = 0  # a worker's copy holds only token_ids[token_offset:] (see __getstate__)
         self.last_token = token_ids[-1]
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -42,7 +43,9 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: int | slice):
+        if self.token_offset:  # a worker's copy; prepare_prefill slices from token_offset on
+            key = slice(key.start - self.token_offset, key.stop - self.token_offset)
         return self.token_ids[key]
 
     @property
@@ -82,19 +85,18 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
-    # Workers only need what prepare_prefill/prepare_decode read; in decode that is the last token.
+    # Workers only read the tokens this step computes (prepare_prefill: seq[start:end]; prepare_decode:
+    # last_token), so only those travel, with token_offset saying where they start. The phase cannot be
+    # told from the state: a decode step and the one-token prefill of a preempted sequence whose blocks
+    # all come back from the prefix cache look alike, and both need just the last token.
     def __getstate__(self):
-        in_decode = self.num_cached_tokens >= self.num_prompt_tokens and self.num_scheduled_tokens == 1
-        tokens = self.last_token if in_decode else self.token_ids
-        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.block_table, tokens)
+        start = self.num_cached_tokens
+        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, start,
+                self.num_scheduled_tokens, self.block_table, self.token_ids[start : start + self.num_scheduled_tokens])
 
     def __setstate__(self, state):
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, tokens) = state
-        if isinstance(tokens, list):
-            self.token_ids = tokens
-            self.last_token = tokens[-1]
-        else:
-            self.token_ids = []
-            self.last_token = tokens
+         self.num_scheduled_tokens, self.block_table, self.token_ids) = state
+        self.token_offset = self.num_cached_tokens
+        reaches_end = self.token_offset + len(self.token_ids) == self.num_tokens
+        self.last_token = self.token_ids[-1] if reaches_end and self.token_ids else None

@@ -1,10 +1,9 @@
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -12,7 +11,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = get_tp_rank(), get_tp_size(), get_tp_group()
         if num_embeddings % self.tp_size:
             raise ValueError(f"vocabulary size ({num_embeddings}) is not divisible by "
                              f"tensor_parallel_size ({self.tp_size})")
@@ -30,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         mask = (x >= self.vocab_start) & (x < self.vocab_start + self.shard_size)
         y = F.embedding((x - self.vocab_start) * mask, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(y)
+        return all_reduce(y, self.tp_group)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -48,6 +47,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, 0)
-        return torch.cat(parts, -1) if self.tp_rank == 0 else None
+        parts = self.tp_group.gather(logits, 0)
+        return torch.cat(parts, -1) if parts is not None else None

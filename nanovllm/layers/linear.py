@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -19,6 +19,7 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -91,4 +92,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias so that the all-reduce adds it once.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y)
+        return all_reduce(y, self.tp_group)

@@ -53,5 +53,7 @@ class TorchAttention(AttentionBackend):
         valid = torch.arange(k.size(1), device=q.device) < context.context_lens.unsqueeze(1)  # [batch, max_len]
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows of padding (context 0) give zeros
+        # Slots past a sequence's length hold whatever the memory held (NaN too), and 0 * NaN is NaN.
+        v.masked_fill_(~valid[:, :, None, None], 0.0)  # v is a gathered copy, not the cache
         out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
         return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,309 @@
+"""Tensor parallelism: rank 0 spawns ranks 1..N-1 and drives them with a tiny RPC over shared memory.
+
+Rank 0 (the user's process) schedules, samples and holds the tokenizer. `ModelRunner.call(method, *args)`
+pickles (method, args) into a shared-memory segment, wakes every worker through its own event and then
+runs the method itself; each worker runs the same method on its shard of the weights, and the
+collectives inside the model (all_reduce, gather) join the results. The channel is in channel.py;
+docs/tensor_parallel.md has the whole design: rendezvous, failure handling and shutdown.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing import connection, get_context, parent_process
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.channel import ChannelEnd, RpcChannel
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.utils.distributed import TPGroup
+
+logger = logging.getLogger("nanovllm")
+
+# A collective, the rendezvous or a start-up step waiting longer than this fails instead of hanging
+# (a worker that dies is noticed at once; this only bounds a worker that hangs).
+TIMEOUT_S = 300.0
+EXIT_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to leave on its own before terminating it
+FAILURE_GRACE_S = 5.0  # after a failed step, how long to wait for a worker's report that explains it
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed (or the engine was shut down after a failure)."""
+
+
+def start_model_runner(config: Config) -> ModelRunner:
+    """Rank 0's ModelRunner; with tensor_parallel_size > 1 it also spawns and connects ranks 1..N-1."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, 0)
+    workers = Workers(config)
+    try:
+        runner = ModelRunner(config, 0, workers.group, workers)
+        workers.wait_for("ready")
+        return runner
+    except BaseException as e:
+        # A user error (a bad checkpoint, a KV cache too small) fails every rank alike: raise rank 0's.
+        # Anything else may be a collective broken by a worker's failure: raise the worker's report.
+        worker_failed = not isinstance(e, (ValueError, TypeError, WorkerError)) and workers.failed_soon(e)
+        workers.shutdown()
+        if worker_failed:
+            raise workers.error() from e
+        raise
+
+
+def check_tensor_parallel(config: Config):
+    """Errors the user can fix, raised before any process starts."""
+    n, hf = config.tensor_parallel_size, config.hf_config
+    num_heads = hf.num_attention_heads
+    sizes = {"num_attention_heads": num_heads,
+             "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or num_heads,
+             "vocab_size": hf.vocab_size,
+             "intermediate_size": getattr(hf, "intermediate_size", None)}
+    for name, value in sizes.items():
+        if value is not None and value % n:
+            raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={n}; "
+                             "choose a tensor_parallel_size that divides it")
+    if config.device == "cuda" and n > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (one per rank) but only "
+                         f"{torch.cuda.device_count()} are visible")
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Ranks on CPU share the cores: more threads than cores make every collective wait on a
+    descheduled thread (on 2 cores, 3 threads run TP=2 about 15x slower than 2)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+# ---- rank 0's side --------------------------------------------------------------------------------
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: spawns them, drives them, watches them and shuts them down.
+
+    A monitor thread reads each worker's pipe (start-up progress and error reports) and watches its
+    process; the first failure is recorded, logged and makes every later call raise WorkerError.
+    """
+
+    def __init__(self, config: Config):
+        check_tensor_parallel(config)
+        n = config.tensor_parallel_size
+        if config.device == "cpu" and torch.get_num_threads() > cpu_threads_per_rank(n):
+            logger.info("tensor parallel on CPU: torch threads %d -> %d in this process, so the %d ranks "
+                        "share the cores", torch.get_num_threads(), cpu_threads_per_rank(n), n)
+            torch.set_num_threads(cpu_threads_per_rank(n))
+        ctx = get_context("spawn")
+        self.failure: str | None = None
+        self.group: TPGroup | None = None
+        self.processes, self._conns = [], []
+        self._counts = {"started": 0, "ready": 0}
+        self._cond = threading.Condition()
+        self._closing = self._closed = False
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.channel: RpcChannel | None = None
+        timeout = timedelta(seconds=TIMEOUT_S)
+        # Port 0: the OS picks a free port, so engines never collide; workers learn it from their arguments.
+        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timeout)
+        try:
+            self.channel = RpcChannel.create(ctx, n - 1)
+            for rank in range(1, n):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}", daemon=True,
+                                      args=(config, rank, self.store.port, self.channel.ends[rank - 1], send_end))
+                process.start()
+                send_end.close()
+                self.processes.append(process)
+                self._conns.append(recv_end)
+            self._monitor = threading.Thread(target=self._watch, name="nanovllm-tp-monitor", daemon=True)
+            self._monitor.start()
+            self.wait_for("started")  # a worker that cannot even start fails here, not in the rendezvous
+            self.group = TPGroup(config.device, self.store, 0, n, timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks over %s, channel %s", n, "NCCL" if self.group.is_nccl else "gloo",
+                    self.channel.prefix)
+
+    # -- watching --
+    def _watch(self):
+        waitables: dict = {}
+        for rank, (process, conn) in enumerate(zip(self.processes, self._conns), start=1):
+            waitables[conn] = waitables[process.sentinel] = rank
+        while waitables and not self._stop.is_set():
+            ready = connection.wait(list(waitables), timeout=0.2)
+            # messages before deaths: a worker writes its error report before it exits
+            for obj in sorted(ready, key=lambda o: not isinstance(o, connection.Connection)):
+                rank = waitables[obj]
+                if isinstance(obj, connection.Connection):
+                    try:
+                        kind, text = obj.recv()
+                    except (EOFError, OSError):
+                        del waitables[obj]
+                        continue
+                    if kind == "error":
+                        self._record_failure(f"a worker failure: tensor-parallel worker rank {rank} raised:\n{text}")
+                    else:
+                        with self._cond:
+                            self._counts[kind] += 1
+                            self._cond.notify_all()
+                else:
+                    del waitables[obj]
+                    process = self.processes[rank - 1]
+                    process.join(1.0)
+                    self._record_failure(f"a worker failure: tensor-parallel worker rank {rank} exited "
+                                         f"unexpectedly (exit code {process.exitcode})")
+
+    def _record_failure(self, text: str):
+        with self._cond:
+            if self.failure is not None or self._closing:
+                return
+            self.failure = text
+            self._cond.notify_all()
+        logger.error("%s", text)
+        if self.group is not None:
+            try:
+                self.group.abort()  # free rank 0 from a collective that can no longer complete
+            except Exception:
+                logger.exception("aborting the tensor-parallel group failed")
+
+    def error(self) -> WorkerError:
+        return WorkerError(f"the engine was shut down after {self.failure}")
+
+    def check(self):
+        """Raise if a worker has failed or the workers are shut down."""
+        if self.failure is not None:
+            raise self.error()
+        if self._closed:
+            raise WorkerError("the tensor-parallel workers are shut down")
+
+    def failed_soon(self, e: BaseException) -> bool:
+        """After `e` on rank 0: has a worker failed, or does it report a failure within a short grace?"""
+        with self._cond:
+            if isinstance(e, Exception):  # not for Ctrl-C: that is rank 0's own
+                self._cond.wait_for(lambda: self.failure is not None, FAILURE_GRACE_S)
+            return self.failure is not None
+
+    def wait_for(self, kind: str):
+        """Wait until every worker has reported `kind` ("started" or "ready")."""
+        deadline = time.monotonic() + TIMEOUT_S
+        with self._cond:
+            while self._counts[kind] < len(self.processes):
+                if self.failure is not None:
+                    raise self.error()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WorkerError(f"tensor-parallel workers did not become {kind} within {TIMEOUT_S:.0f}s")
+                self._cond.wait(min(remaining, 1.0))
+
+    # -- driving --
+    def call(self, runner: ModelRunner, method: str, *args):
+        """Send `method` to every worker, run it on rank 0 and return rank 0's result."""
+        self.check()
+        try:
+            self.channel.send(method, *args, check=self.check)
+            result = getattr(runner, method)(*args)
+        except WorkerError:
+            self.shutdown()
+            raise
+        except BaseException as e:
+            # Ranks are now out of step: a failed collective usually means a worker died, whose report
+            # explains it; otherwise rank 0 itself failed. Either way the workers must go.
+            worker_failed = self.failed_soon(e)
+            with self._cond:
+                if self.failure is None:
+                    self.failure = f"an error on rank 0 during a tensor-parallel step ({type(e).__name__}: {e})"
+            self.shutdown()
+            if worker_failed:
+                raise self.error() from e
+            raise
+        self.check()  # NCCL: an aborted group can let the step finish with garbage
+        return result
+
+    # -- shutting down --
+    def shutdown(self):
+        """Stop the workers (politely when healthy), then free the group, the channel and the store.
+        Idempotent; never leaves a process or a shared-memory segment behind."""
+        if self._closed:
+            return
+        with self._cond:
+            self._closing = True  # workers leaving from now on are not failures
+        healthy = self.failure is None and self.channel is not None and all(p.is_alive() for p in self.processes)
+        if healthy:
+            try:
+                self.channel.send("exit", timeout=EXIT_TIMEOUT_S)
+            except Exception:
+                healthy = False
+        deadline = time.monotonic() + (EXIT_TIMEOUT_S if healthy else 0)
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._closed = True
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join()
+        for conn in self._conns:
+            conn.close()
+        if self.group is not None:
+            try:
+                self.group.close(healthy)
+            except Exception:
+                logger.exception("closing the tensor-parallel group failed")
+            self.group = None
+        if self.channel is not None:
+            self.channel.close()
+        self.store = None
+
+
+# ---- a worker's side ------------------------------------------------------------------------------
+
+def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: connection.Connection):
+    """Entry point of rank `rank` (1..N-1): build this rank's shard, then run what rank 0 sends until "exit".
+
+    Any error is reported to rank 0 with its traceback, and the process exits at once: its closed
+    connections make rank 0's pending collectives fail instead of waiting.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it then shuts us down
+    try:
+        if config.device == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
+        channel = RpcChannel.attach(end)
+        conn.send(("started", None))
+        timeout = timedelta(seconds=TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timeout)
+        group = TPGroup(config.device, store, rank, config.tensor_parallel_size, timeout)
+        runner = ModelRunner(config, rank, group)
+        conn.send(("ready", None))
+        parent = parent_process()
+
+        def parent_alive():
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(0)  # rank 0 is gone: nobody will send "exit"
+
+        while True:
+            method, args = channel.recv(parent_alive)
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+    except SystemExit:
+        os._exit(0)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        os._exit(1)  # skip cleanup that could block on a broken group
+    channel.close()
+    group.close()
+    conn.close()

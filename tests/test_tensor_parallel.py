@@ -1,0 +1,320 @@
+"""Tensor parallelism. On CPU over gloo: TP=2 gives transformers' and TP=1's greedy tokens; two TP
+engines run side by side; a worker failure surfaces in rank 0 as an exception, not a hang; shutdown
+leaves no process and no shared-memory segment. Marked GPU tests check NCCL on two CUDA devices.
+
+Spawning a worker costs a few seconds (it imports torch), so engines are shared where possible."""
+import glob
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.engine.channel import RpcChannel
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.workers import WorkerError, check_tensor_parallel
+from tests.tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TP_OPTIONS = dict(tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=48)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def _tokens(outputs: list[dict]) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+def _segments(llm) -> list[str]:
+    return glob.glob(f"/dev/shm/{llm.model_runner.workers.channel.prefix}*")
+
+
+def _assert_nothing_left(workers):
+    """The engine's worker processes are gone (and reaped) and its shared memory is removed."""
+    children = multiprocessing.active_children()
+    assert all(p.exitcode is not None and p not in children for p in workers.processes)
+    assert glob.glob(f"/dev/shm/{workers.channel.prefix}*") == []
+
+
+@contextmanager
+def _deadline(seconds: int):
+    """Fail instead of hanging (pytest-timeout is not a dependency)."""
+    def fail(*_):
+        raise TimeoutError(f"no answer within {seconds}s: the engine hangs")
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads():
+    n = torch.get_num_threads()  # a TP engine on CPU shares the cores between its ranks
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tp_tied(qwen3_tied):
+    # A tiny first channel segment: long prompts outgrow it and the channel must move to a larger one.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RpcChannel, "initial_bytes", 512)
+        llm = LLM(qwen3_tied, max_num_batched_tokens=128, **TP_OPTIONS)  # prompts over 128 tokens are chunked
+    yield llm
+    llm.exit()
+
+
+@pytest.fixture(scope="module")
+def tp_mha(qwen3_untied_mha):
+    llm = LLM(qwen3_untied_mha, **TP_OPTIONS)
+    yield llm
+    llm.exit()
+
+
+# ---- exactness ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine, path", [("tp_tied", "qwen3_tied"), ("tp_mha", "qwen3_untied_mha")])
+def test_greedy_equals_tp1_and_transformers(request, engine, path):
+    llm, path = request.getfixturevalue(engine), request.getfixturevalue(path)
+    prompts = _prompts(0, [3, 16, 17, 70, 300])  # one block to many; 300 is chunked in tp_tied
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    single = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=48)
+    assert _tokens(outs) == _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
+
+
+def test_prefix_cache_hit_and_a_channel_that_grows(tp_tied, qwen3_tied):
+    base = _prompts(1, [50])[0]
+    assert tp_tied.generate([base], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 0
+    longer = base + _prompts(2, [20])[0]
+    out = tp_tied.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 48
+    assert out["token_ids"] == hf_greedy(qwen3_tied, longer, GREEDY.max_tokens)
+    long_prompt = _prompts(3, [250])[0]  # its message outgrows the 512-byte first segment
+    out = tp_tied.generate([long_prompt], GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(qwen3_tied, long_prompt, GREEDY.max_tokens)
+    channel = tp_tied.model_runner.workers.channel
+    assert channel.data.size > 512 and len(_segments(tp_tied)) == 2  # moved on; the old segment is gone
+
+
+def test_preemption_and_prefix_hits_of_preempted_sequences(qwen3_tied):
+    # 12 blocks for 6 sequences needing ~4 each: decode preempts, and a preempted sequence's blocks come
+    # back from the prefix cache, down to a one-token prefill that workers must receive in full.
+    with LLM(qwen3_tied, **{**TP_OPTIONS, "num_kvcache_blocks": 12, "max_model_len": 192}) as llm:
+        prompts = _prompts(4, [30, 35, 40, 20, 45, 33])
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        one_token_prefills = []
+        allocate = llm.scheduler.block_manager.allocate
+
+        def watch(seq):
+            allocate(seq)
+            if seq.num_cached_tokens == seq.num_tokens - 1 and seq.num_completion_tokens:
+                one_token_prefills.append(seq.seq_id)
+        llm.scheduler.block_manager.allocate = watch
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert one_token_prefills, "the test should hit a preempted sequence's blocks in the prefix cache"
+        for prompt, out in zip(prompts, outs):
+            assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 30)
+
+
+def test_sequence_sends_workers_only_the_tokens_of_the_step():
+    seq = Sequence(list(range(100)), 16)
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 32, 40  # a chunk after a prefix hit
+    copy = pickle.loads(pickle.dumps(seq))
+    assert copy.token_ids == list(range(32, 72)) and copy[32:72] == list(range(32, 72))
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 99, 1  # decode, or a one-token prefill
+    copy = pickle.loads(pickle.dumps(seq))
+    assert copy.last_token == 99 and copy[99:100] == [99] and len(copy) == 100
+    assert len(pickle.dumps(seq)) < 200
+
+
+def test_sampling_on_rank_0(tp_tied):
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = tp_tied.generate(_prompts(5, [8, 8]), sp, use_tqdm=False)
+    assert all(len(o["token_ids"]) == 12 for o in a)
+
+
+# ---- the channel ----------------------------------------------------------------------------------
+
+def test_channel_has_no_size_cap():
+    ctx = multiprocessing.get_context("spawn")
+    owner = RpcChannel.create(ctx, 1)
+    worker = RpcChannel.attach(owner.ends[0])
+    try:
+        big = os.urandom(3 * 2**20)  # 3 MiB: more than the first segment holds
+        for payload in (b"small", big, b"small again", big + big):
+            owner.send("run", payload, 7)
+            assert worker.recv() == ("run", (payload, 7))
+        assert owner.data.size >= 6 * 2**20
+        assert set(glob.glob(f"/dev/shm/{owner.prefix}*")) == {f"/dev/shm/{owner.prefix}_c",
+                                                               f"/dev/shm/{owner.data.name}"}
+    finally:
+        worker.close()
+        owner.close()
+    assert glob.glob(f"/dev/shm/{owner.prefix}*") == []
+
+
+# ---- several engines ------------------------------------------------------------------------------
+
+def test_two_tp_engines_side_by_side(tp_tied, tp_mha, qwen3_tied, qwen3_untied_mha):
+    assert len(multiprocessing.active_children()) >= 2
+    a, b = tp_tied.model_runner.workers, tp_mha.model_runner.workers
+    assert a.channel.prefix != b.channel.prefix and a.store.port != b.store.port
+    prompts = _prompts(6, [5, 40])
+    for _ in range(2):  # interleaved: each engine's collectives stay within its own group
+        for llm, path in ((tp_tied, qwen3_tied), (tp_mha, qwen3_untied_mha)):
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert _tokens(outs) == [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
+
+
+# ---- errors and shutdown --------------------------------------------------------------------------
+
+def test_indivisible_sizes_fail_before_any_process_starts(qwen3_tied):
+    before = set(multiprocessing.active_children())
+    with _deadline(20), pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by "
+                                                        "tensor_parallel_size=3"):
+        LLM(qwen3_tied, tensor_parallel_size=3)
+    assert set(multiprocessing.active_children()) == before
+    config = Config(qwen3_tied)
+    config.tensor_parallel_size = 2
+    config.hf_config.vocab_size = 401
+    with pytest.raises(ValueError, match="vocab_size=401 is not divisible by tensor_parallel_size=2"):
+        check_tensor_parallel(config)
+
+
+def test_a_worker_that_raises_surfaces_in_rank_0(qwen3_tied):
+    with _deadline(60):
+        llm = LLM(qwen3_tied, **TP_OPTIONS)
+        workers = llm.model_runner.workers
+        assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
+        # Only the worker runs this: a sequence with no KV blocks makes its prepare_decode raise.
+        workers.channel.send("run", [Sequence([1, 2, 3], 16)], False)
+        with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 raised.*IndexError"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        _assert_nothing_left(workers)  # the failure shut the workers down
+        with pytest.raises(WorkerError, match="the engine was shut down after a worker failure"):
+            llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
+        llm.exit()
+    _assert_nothing_left(workers)
+
+
+def test_a_worker_that_dies_mid_generate_surfaces_in_rank_0(qwen3_tied):
+    with _deadline(60):
+        with LLM(qwen3_tied, **TP_OPTIONS) as llm:
+            workers = llm.model_runner.workers
+            worker = workers.processes[0]
+            killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
+            killer.start()
+            long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            with pytest.raises(RuntimeError, match=r"worker rank 1 exited unexpectedly \(exit code -9\)"):
+                llm.generate(_prompts(7, [10, 10, 10, 10]), long_run, use_tqdm=False)
+            killer.join()
+        _assert_nothing_left(workers)
+
+
+def test_a_failed_start_leaves_nothing(qwen3_tied, tmp_path):
+    # config and tokenizer but no weights: every rank raises while loading
+    for name in os.listdir(qwen3_tied):
+        if not name.endswith(".safetensors"):
+            os.symlink(os.path.join(qwen3_tied, name), tmp_path / name)
+    children, segments = set(multiprocessing.active_children()), set(glob.glob("/dev/shm/nanovllm_*"))
+    with _deadline(60), pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(tmp_path), **TP_OPTIONS)
+    assert set(multiprocessing.active_children()) <= children
+    assert set(glob.glob("/dev/shm/nanovllm_*")) <= segments
+
+
+def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
+    # Explicit exit: the with-block's end.
+    with LLM(qwen3_tied, **TP_OPTIONS) as llm:
+        workers = llm.model_runner.workers
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    _assert_nothing_left(workers)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    # At interpreter exit: a script that never calls exit().
+    script = (
+        "import sys\n"
+        "from nanovllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({qwen3_tied!r}, **{TP_OPTIONS!r})\n"
+        "    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
+        "    print(llm.model_runner.workers.channel.prefix, llm.model_runner.workers.processes[0].pid)\n"
+    )
+    with _deadline(90):
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stderr
+    prefix, pid = done.stdout.split()
+    assert glob.glob(f"/dev/shm/{prefix}*") == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
+    assert "leaked" not in done.stderr  # multiprocessing's resource tracker found no segment left
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_tp2_equals_tp1_in_float32(qwen3_untied_mha, enforce_eager):
+    prompts = _prompts(8, [3, 17, 70, 300])
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=512,
+                   num_kvcache_blocks=8, enforce_eager=enforce_eager)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(qwen3_untied_mha, tensor_parallel_size=tp, **options) as llm:
+            outs[tp] = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert outs[2] == outs[1]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_two_engines_and_a_dying_worker(qwen3_tied, qwen3_untied_mha):
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=2048,
+                   num_kvcache_blocks=64, tensor_parallel_size=2)
+    prompts = _prompts(9, [5, 40])
+    # eager, so that the long generate below is still running when its worker is killed
+    with LLM(qwen3_tied, enforce_eager=True, **options) as a, LLM(qwen3_untied_mha, **options) as b:
+        for llm, path in ((a, qwen3_tied), (b, qwen3_untied_mha), (a, qwen3_tied)):
+            assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+                [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
+        # NCCL does not notice a dead peer: rank 0's monitor must abort the group.
+        worker = a.model_runner.workers.processes[0]
+        killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+        killer.start()
+        with _deadline(120), pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly"):
+            a.generate(_prompts(10, [10] * 8), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+                       use_tqdm=False)
+        killer.join()
+        assert _tokens(b.generate(prompts, GREEDY, use_tqdm=False)) == \
+            [hf_greedy(qwen3_untied_mha, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_bench_runs_with_tp2():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--tp", "2", "--num-seqs", "16",
+                           "--min-input", "16", "--max-input", "256", "--min-output", "8", "--max-output", "64",
+                           "--no-tqdm"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tok/s" in done.stdout
