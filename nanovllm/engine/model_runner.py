@@ -74,7 +74,12 @@ class ModelRunner:
         if group is not None:  # every rank must hold the same blocks; the scheduler counts rank 0's
             num_blocks = group.min(num_blocks, self.device)
         self.allocate_kv_cache(num_blocks)
-        if self.is_cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
+        # Decode graphs with NCCL collectives inside hung on 2 H200s (2026-11-29, unexplained): TP decodes eagerly.
+        use_graphs = self.backend.supports_cuda_graphs and self.world_size == 1
+        if self.is_cuda and not config.enforce_eager and not use_graphs and rank == 0:
+            logger.warning("CUDA graphs are off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
+                           self.backend.name, self.world_size)
+        if self.is_cuda and not config.enforce_eager and use_graphs:
             from nanovllm.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
