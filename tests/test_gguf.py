@@ -33,13 +33,16 @@ def tiny_llama(tmp_path_factory) -> tuple[str, str]:
     return checkpoint, make_gguf(checkpoint, folder / "tiny-llama.gguf")
 
 
-@pytest.mark.parametrize("variant", ["untied", "tied", "head_dim_32"])
+VARIANTS = {"tied": dict(arch="llama", tie=True), "head_dim_32": dict(arch="llama", tie=False, head_dim=32),
+            "qwen2_bias": dict(arch="qwen2", tie=False)}  # Qwen2: biases, and no q/k permutation in the file
+
+
+@pytest.mark.parametrize("variant", ["untied", *VARIANTS])
 def test_greedy_matches_transformers_on_same_gguf(tmp_path, tiny_llama, variant):
     if variant == "untied":
         path = tiny_llama[1]
     else:
-        extra = {"tie": True} if variant == "tied" else {"tie": False, "head_dim": 32}
-        path = make_gguf(make_checkpoint(tmp_path / "hf", "llama", **extra), tmp_path / f"{variant}.gguf")
+        path = make_gguf(make_checkpoint(tmp_path / "hf", **VARIANTS[variant]), tmp_path / f"{variant}.gguf")
     with LLM(path, **SMALL) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):

@@ -102,18 +102,20 @@ def _permute_for_gguf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE) -> str:
-    """Write a tiny Llama checkpoint directory as an F32 GGUF file, as llama.cpp's converter lays it out."""
+    """Write a tiny Llama or Qwen2 checkpoint directory as an F32 GGUF file, laid out as llama.cpp's converter does
+    (which permutes the q/k rows of Llama models only)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
     config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type != "llama":
-        raise ValueError("make_gguf writes Llama checkpoints only")
+    arch = config.model_type
+    if arch not in ("llama", "qwen2"):
+        raise ValueError("make_gguf writes Llama and Qwen2 checkpoints only")
     tok = AutoTokenizer.from_pretrained(checkpoint)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     path = os.fspath(path)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -140,12 +142,13 @@ def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE) 
     writer.add_add_bos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     for hf_name, w in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         base, suffix = hf_name.rsplit(".", 1)
-        if base.endswith("q_proj"):
+        if arch == "llama" and base.endswith("q_proj"):
             w = _permute_for_gguf(w, config.num_attention_heads)
-        elif base.endswith("k_proj"):
+        elif arch == "llama" and base.endswith("k_proj"):
             w = _permute_for_gguf(w, config.num_key_value_heads)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", w.float().numpy())
     writer.write_header_to_file()
