@@ -68,12 +68,12 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
-        from nanovllm.models import check_model_config
         from nanovllm.utils.loader import load_eos_token_ids, load_hf_config
         self.hf_config = load_hf_config(self.model)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)
+        from nanovllm.models import check_model_config  # before any weight is read: unknown arch, sliding window
         check_model_config(self.hf_config, self.max_model_len)
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.dtype != "auto":
