@@ -30,7 +30,7 @@ def _ids(llm, conversation, **kwargs) -> list[int]:
 def test_one_conversation_equals_generate_on_its_rendering(llm):
     conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False)
-    assert len(out) == 1 and set(out[0]) == {"text", "token_ids", "finish_reason", "num_cached_tokens"}
+    assert len(out) == 1 and {"text", "token_ids", "finish_reason"} <= set(out[0])
     assert _strip(out) == _strip(llm.generate([_ids(llm, conversation)], GREEDY, use_tqdm=False))
 
 
