@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger("nanovllm")
 
 GGUF_MAGIC = b"GGUF"
-_CONVERTER_VERSION = 1  # bump when the cached layout or the conversion changes
+_CONVERTER_VERSION = 2  # bump when the cached layout or the conversion changes
 _SOURCE_FILE = "gguf_source.json"  # in each cache entry: which file it came from
 
 # general.architecture -> the Hugging Face class our registry builds for it
@@ -189,7 +189,8 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]):
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        dtype="float32",
+        # no dtype: a quantized file has none to keep, so the engine's default applies (float32 on CPU,
+        # bfloat16 on CUDA); dtype="float32" is exact on a GPU too
     )
     if arch == "llama":
         fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
