@@ -73,6 +73,8 @@ class Config:
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)
+        from nanovllm.models import check_model_config  # before any weight is read: unknown arch, sliding window
+        check_model_config(self.hf_config, self.max_model_len)
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype]

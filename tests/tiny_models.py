@@ -1,5 +1,6 @@
-"""Tiny random checkpoints made with transformers, saved with a small trained tokenizer."""
+"""Tiny random checkpoints made with transformers, saved with a small trained tokenizer; tiny GGUF files."""
 import functools
+import json
 import os
 
 import torch
@@ -12,6 +13,10 @@ CORPUS = [
     "Hello world! How are you today? I am fine, thank you.",
     "Ünïcödé text: café, naïve, 東京, Привет, emoji 🙂 and more.",
 ] * 4
+
+# A ChatML template, as SmolLM2 and Qwen use.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 @functools.lru_cache
@@ -29,15 +34,16 @@ def _tokenizer():
 
 def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: int = 2, num_heads: int = 4,
                     head_dim: int | None = None, hidden: int = 64, layers: int = 2, seed: int = 0,
-                    **extra) -> str:
-    """Save a tiny random model plus tokenizer into `path`; returns the path as str."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+                    chat_template: str | None = None, **extra) -> str:
+    """Save a tiny random model plus tokenizer into `path`; returns the path as str.
+    arch: qwen3, qwen2, llama or mistral; extra: more config fields (rope_scaling, sliding_window, ...)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     tok = _tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
                   tie_word_embeddings=tie, initializer_range=0.25, eos_token_id=tok.eos_token_id,
                   bos_token_id=None, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-6)
-    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
     if arch != "qwen2":
         common["head_dim"] = head_dim or hidden // num_heads
     common.update(extra)
@@ -49,7 +55,9 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
             if name.endswith("bias"):
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
+    tok.chat_template = chat_template
     tok.save_pretrained(path)
+    tok.chat_template = None  # the tokenizer is cached and shared
     return os.fspath(path)
 
 
@@ -59,10 +67,92 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@functools.lru_cache(maxsize=4)
+def hf_gguf_model(gguf_path: str):
+    """transformers' own reading of a GGUF file (dequantized, q/k permutation undone), in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    try:
+        import accelerate  # noqa: F401  (transformers' from_pretrained(gguf_file=...) requires it)
+    except ImportError:
+        # Without accelerate: the same transformers GGUF reader that from_pretrained uses, by hand.
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name),
+                                                 dtype=torch.float32)
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
+        model.load_state_dict(tensors, strict=False)
+        model.tie_weights()
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    model = hf_model(path)
+    """transformers' greedy continuation of `prompt_ids` from a checkpoint directory or a .gguf file."""
+    model = hf_gguf_model(path) if path.endswith(".gguf") else hf_model(path)
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def _permute_for_gguf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter order for Llama q/k rows: per head, the two rope halves interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE) -> str:
+    """Write a tiny Llama or Qwen2 checkpoint directory as an F32 GGUF file, laid out as llama.cpp's converter does
+    (which permutes the q/k rows of Llama models only)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+    config = AutoConfig.from_pretrained(checkpoint)
+    arch = config.model_type
+    if arch not in ("llama", "qwen2"):
+        raise ValueError("make_gguf writes Llama and Qwen2 checkpoints only")
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    path = os.fspath(path)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # The tokenizer, as llama.cpp stores a GPT-2 style byte-level BPE.
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    specials = set(tok.all_special_tokens)
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    for hf_name, w in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        base, suffix = hf_name.rsplit(".", 1)
+        if arch == "llama" and base.endswith("q_proj"):
+            w = _permute_for_gguf(w, config.num_attention_heads)
+        elif arch == "llama" and base.endswith("k_proj"):
+            w = _permute_for_gguf(w, config.num_key_value_heads)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", w.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -32,18 +32,21 @@ def rope_settings(config) -> tuple[float, dict | None]:
     return float(theta), (params if rope_type not in (None, "default") else None)
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, flags: DecoderFlags):
+    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding):
         super().__init__()
         hidden = config.hidden_size
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.head_dim = head_dim_of(config)  # may differ from hidden // num_heads (e.g. Qwen3)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=flags.o_bias)
-        theta, scaling = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
@@ -78,9 +81,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, flags: DecoderFlags):
+    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags)
+        self.self_attn = DecoderAttention(config, flags, rotary_emb)
         self.mlp = DecoderMLP(config, flags)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,7 +102,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config, flags: DecoderFlags):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, flags) for _ in range(config.num_hidden_layers)])
+        theta, scaling = rope_settings(config)
+        # One cos/sin cache for all layers: [max_position_embeddings, head_dim].
+        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

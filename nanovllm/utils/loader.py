@@ -1,33 +1,46 @@
-"""Read checkpoints: config, EOS ids and (hf_name, tensor) pairs from safetensors."""
+"""Read checkpoints: config, tokenizer, EOS ids and (hf_name, tensor) pairs.
+
+A model is a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file; a GGUF file
+is converted once into a cached directory of the same kind (see nanovllm/utils/gguf.py)."""
 import json
 import os
+from collections.abc import Iterator
 from glob import glob
-from typing import Iterator
 
 import torch
 from torch import nn
 
 
+def resolve_checkpoint(model: str) -> str:
+    """The checkpoint directory for `model`: the directory itself, or the cached conversion of a GGUF file."""
+    if not os.path.exists(model):
+        raise ValueError(f"model path {model!r} does not exist; pass a checkpoint directory or a .gguf file")
+    if os.path.isfile(model):
+        from nanovllm.utils.gguf import gguf_checkpoint_dir
+        return gguf_checkpoint_dir(model)
+    if not os.path.exists(os.path.join(model, "config.json")):
+        ggufs = glob(os.path.join(model, "*.gguf"))
+        hint = f" (for GGUF, pass the file itself, e.g. {ggufs[0]!r})" if ggufs else ""
+        raise ValueError(f"{model!r} has no config.json; pass a Hugging Face checkpoint directory{hint}")
+    return model
+
+
 def load_hf_config(model: str):
     from transformers import AutoConfig
-    if not os.path.isdir(model):
-        raise ValueError(f"{model!r} is not a checkpoint directory (expected config.json and *.safetensors)")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        raise ValueError(f"{model!r} has no config.json; is it a Hugging Face checkpoint directory?")
-    return AutoConfig.from_pretrained(model)
+    return AutoConfig.from_pretrained(resolve_checkpoint(model))
 
 
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
 
 
 def load_eos_token_ids(model: str, hf_config) -> list[int]:
     """Every EOS id named by generation_config.json or config.json (either may hold a list)."""
     ids: list[int] = []
     sources = [getattr(hf_config, "eos_token_id", None)]
-    path = os.path.join(model, "generation_config.json") if os.path.isdir(model) else ""
-    if path and os.path.exists(path):
+    path = os.path.join(resolve_checkpoint(model), "generation_config.json")
+    if os.path.exists(path):
         with open(path) as f:
             sources.insert(0, json.load(f).get("eos_token_id"))
     for value in sources:
@@ -35,6 +48,11 @@ def load_eos_token_ids(model: str, hf_config) -> list[int]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) pairs of a checkpoint directory or a (converted) GGUF file."""
+    return iter_safetensors(resolve_checkpoint(model))
 
 
 def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,12 +78,14 @@ def load_weights(model: nn.Module, path: str):
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
     loaded_names = set()
-    for name, tensor in iter_safetensors(path):
+    for name, tensor in iter_weights(path):
         if name in skip or "rotary_emb.inv_freq" in name:
             continue
         for src, (dst, shard_id) in packed.items():
             if src in name:
                 pname = name.replace(src, dst)
+                if pname not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
                 param = params[pname]
                 param.weight_loader(param, tensor, shard_id)
                 break

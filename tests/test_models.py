@@ -1,0 +1,94 @@
+"""Model families: greedy tokens equal transformers in float32 for every registered architecture."""
+import json
+import os
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, make_checkpoint
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 200, 17, 3, 99, 120, 7, 7, 250, 31, 64, 11, 180, 90, 2, 77, 300, 150, 45]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+# name -> make_checkpoint arguments
+FAMILIES = {
+    "qwen2_untied_bias": dict(arch="qwen2", tie=False),  # make_checkpoint gives the q/k/v biases nonzero values
+    "qwen2_tied_mha": dict(arch="qwen2", tie=True, num_kv_heads=4),
+    "llama_tied": dict(arch="llama", tie=True),
+    "llama_untied": dict(arch="llama", tie=False, seed=1),
+    "llama_head_dim_32": dict(arch="llama", tie=False, head_dim=32),  # 4 heads x 32 != hidden 64
+    "llama_biases": dict(arch="llama", tie=False, attention_bias=True, mlp_bias=True),
+    "llama3_rope_scaling": dict(arch="llama", tie=False, rope_scaling=LLAMA3_ROPE),
+    "mistral": dict(arch="mistral", tie=False, sliding_window=None),
+    "mistral_window_4096": dict(arch="mistral", tie=False, num_kv_heads=1),  # MistralConfig's default window
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_matches_transformers(tmp_path_factory, name):
+    path = make_checkpoint(tmp_path_factory.mktemp(name), **FAMILIES[name])
+    with LLM(path, num_kvcache_blocks=16, kvcache_block_size=16, max_model_len=256) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), name
+
+
+def test_llama3_rope_frequencies_match_transformers(tmp_path):
+    """The scaled cos/sin tables themselves, so a scaling bug cannot hide behind short prompts."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.models.decoder import head_dim_of, rope_settings
+    config = AutoConfig.from_pretrained(make_checkpoint(tmp_path, "llama", rope_scaling=LLAMA3_ROPE, head_dim=32))
+    theta, scaling = rope_settings(config)
+    assert scaling["rope_type"] == "llama3"
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = RotaryEmbedding(head_dim_of(config), 512, theta, scaling).cos_sin_cache
+    freqs = torch.outer(torch.arange(512, dtype=torch.float), inv_freq.float())
+    torch.testing.assert_close(ours, torch.cat([freqs.cos(), freqs.sin()], -1), rtol=1e-5, atol=1e-5)
+    plain = RotaryEmbedding(head_dim_of(config), 512, theta, None).cos_sin_cache
+    assert not torch.allclose(ours, plain), "the test scaling should change the frequencies"
+
+
+def test_eos_list_in_generation_config_stops(tmp_path):
+    path = make_checkpoint(tmp_path, "llama", tie=False, seed=1)
+    prompt = PROMPTS[1]
+    reference = hf_greedy(path, prompt, 12)
+    stop_at = next(i for i in range(2, 12) if reference[i] not in reference[:i])
+    # The list's first id never appears in the reference; its second one ends generation.
+    unused = next(i for i in range(2, 400) if i not in reference)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [unused, reference[stop_at]]}, f)
+    with LLM(path, num_kvcache_blocks=16, kvcache_block_size=16, max_model_len=256) as llm:
+        assert reference[stop_at] in llm.config.eos_token_ids
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out["token_ids"] == reference[:stop_at + 1]
+    assert out["finish_reason"] == "stop"
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["architectures"] = ["GPT2LMHeadModel"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
+        LLM(path)
+    for arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"):
+        assert arch in str(err.value)
+
+
+def test_sliding_window_shorter_than_max_model_len(tmp_path):
+    path = make_checkpoint(tmp_path, "mistral", tie=False, sliding_window=32)
+    with pytest.raises(ValueError, match="max_model_len <= 32"):
+        LLM(path, max_model_len=256)
+    # Within the window, sliding-window attention is full attention.
+    with LLM(path, max_model_len=32, num_kvcache_blocks=4, kvcache_block_size=16) as llm:
+        out = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(path, PROMPTS[1], GREEDY.max_tokens)
