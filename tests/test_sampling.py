@@ -284,3 +284,23 @@ def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
 def test_bad_sampling_options(kwargs, error):
     with pytest.raises(error):
         SamplingParams(**kwargs)
+
+
+def test_penalties_in_a_mixed_batch_with_chunked_prefill_and_preemption(qwen3_tied):
+    """The device-side token history follows each request through chunks, preemption and batch changes."""
+    penalized = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.8,
+                               frequency_penalty=0.6)
+    plain = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    prompts = _prompts(12, [40, 70, 25, 90])
+    alone = LLM(qwen3_tied, kvcache_block_size=16)
+    expected = [alone.generate([p], sp, use_tqdm=False)[0]["token_ids"]
+                for p, sp in zip(prompts, [penalized, plain, penalized, plain])]
+    tight = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=13,
+                max_model_len=208)
+    preempted = []
+    original = tight.scheduler.preempt
+    tight.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    for _ in range(2):  # twice: rows of finished requests are reused
+        outs = tight.generate(prompts, [penalized, plain, penalized, plain], use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == expected
+    assert preempted, "the test should force preemption"

@@ -8,6 +8,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.compile import compile_small_ops
+from nanovllm.layers.penalties import PenaltyState
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
 from nanovllm.utils.context import get_context, reset_context, set_context
@@ -62,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
+        self.penalties: PenaltyState | None = None  # token history, made when a request first needs it
         if self.is_cuda and not config.enforce_eager:
             compile_small_ops(self.model)
         if self.is_cuda:
@@ -166,12 +168,6 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _token_table(self, rows: list[list[int]]) -> torch.Tensor:
-        """Ragged token lists as one [batch, longest] tensor padded with vocab_size (a spare column)."""
-        vocab = self.config.hf_config.vocab_size
-        width = max(1, max(map(len, rows)))
-        return self._tensor([r + [vocab] * (width - len(r)) for r in rows], torch.int64)
-
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling tensors; the optional ones only when some row needs them."""
         sps = [seq.sampling_params for seq in seqs]
@@ -184,17 +180,16 @@ class ModelRunner:
                 st.top_ps = self._tensor([sp.top_p for sp in sps], torch.float32)
             if any(sp.min_p > 0 for sp in sps):
                 st.min_ps = self._tensor([sp.min_p for sp in sps], torch.float32)
+        if any(sp.needs_penalties for sp in sps):
+            if self.penalties is None:
+                self.penalties = PenaltyState(vocab, self.device)
+            st.penalty_rows, st.seen_mask, st.output_counts = self.penalties.gather(seqs)
+            st.sampled_rows = self._tensor([seq.samples_this_step for seq in seqs], torch.bool)
         if any(sp.repetition_penalty != 1 for sp in sps):
             st.repetition = self._tensor([sp.repetition_penalty for sp in sps], torch.float32)
-            seen = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=self.device)
-            seen.scatter_(1, self._token_table([seq.token_ids for seq in seqs]), True)
-            st.seen_mask = seen[:, :vocab]
         if any(sp.presence_penalty or sp.frequency_penalty for sp in sps):
             st.presence = self._tensor([sp.presence_penalty for sp in sps], torch.float32)
             st.frequency = self._tensor([sp.frequency_penalty for sp in sps], torch.float32)
-            table = self._token_table([seq.completion_token_ids for seq in seqs])
-            counts = torch.zeros(len(seqs), vocab + 1, device=self.device)
-            st.output_counts = counts.scatter_add_(1, table, torch.ones_like(table, dtype=counts.dtype))[:, :vocab]
         banned_rows, banned_ids = [], []
         for i, (seq, sp) in enumerate(zip(seqs, sps)):
             if seq.num_completion_tokens < sp.min_tokens:  # EOS and stop tokens may not come yet
@@ -236,6 +231,8 @@ class ModelRunner:
             if self.rank != 0:
                 return None
             tokens, logprobs = self.sampler(logits, sampling, self.generator)
+            if sampling.penalty_rows is not None:
+                self.penalties.update(sampling.penalty_rows, tokens, sampling.sampled_rows)
             tokens = tokens.tolist()
             return tokens, (self._logprob_dicts(seqs, tokens, logprobs) if logprobs is not None else None)
         finally:

@@ -20,6 +20,8 @@ class SamplingTensors:
     presence: torch.Tensor | None = None  # [batch] float32, with output_counts
     frequency: torch.Tensor | None = None  # [batch] float32
     output_counts: torch.Tensor | None = None  # [batch, vocab] float32: times each token was generated
+    penalty_rows: torch.Tensor | None = None  # [batch] rows of the PenaltyState (for its update)
+    sampled_rows: torch.Tensor | None = None  # [batch] bool: the row's token is kept (not a prefill chunk)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf (min_tokens)
     generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators
     num_logprobs: int = -1  # top-k logprobs to return (-1: none)
