@@ -295,8 +295,8 @@ def test_penalties_in_a_mixed_batch_with_chunked_prefill_and_preemption(qwen3_ti
     alone = LLM(qwen3_tied, kvcache_block_size=16)
     expected = [alone.generate([p], sp, use_tqdm=False)[0]["token_ids"]
                 for p, sp in zip(prompts, [penalized, plain, penalized, plain])]
-    tight = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=13,
-                max_model_len=208)
+    tight = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=9,
+                max_model_len=144)
     preempted = []
     original = tight.scheduler.preempt
     tight.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
