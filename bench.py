@@ -14,9 +14,9 @@ DEFAULT_CONFIG = os.path.join(HERE, "benchmarks", "configs", "qwen3-0.6b")
 
 
 def workload(args) -> tuple[list[list[int]], list[int]]:
-    """seed 0; prompts of random ids in [0, 10000], lengths and max_tokens uniform in the given ranges."""
+    """seed 0; prompts of random ids in [0, max_token_id], lengths and max_tokens uniform in the given ranges."""
     seed(args.seed)
-    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input, args.max_input))]
+    prompts = [[randint(0, args.max_token_id) for _ in range(randint(args.min_input, args.max_input))]
                for _ in range(args.num_seqs)]
     max_tokens = [randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
     return prompts, max_tokens
@@ -99,13 +99,13 @@ def run_hf(args, prompts, max_tokens) -> float:
     """HF transformers' continuous batching (ContinuousBatchingManager, paged attention)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if args.dummy:
         config = AutoConfig.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa_paged")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa_paged")
-    model = model.cuda().eval()
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=args.temperature,
                            eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=gen)
@@ -137,6 +137,7 @@ def main():
     p.add_argument("--min-output", type=int, default=100)
     p.add_argument("--max-output", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids are uniform in [0, this]")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=0, help="0: the engine default")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
