@@ -7,7 +7,6 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
-from nanovllm.layers.compile import compile_small_ops
 from nanovllm.layers.penalties import PenaltyState
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
@@ -64,8 +63,6 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         self.penalties: PenaltyState | None = None  # token history, made when a request first needs it
-        if self.is_cuda and not config.enforce_eager:
-            compile_small_ops(self.model)
         if self.is_cuda:
             from nanovllm.engine import cuda_memory
             cuda_memory.warmup(self)

@@ -16,8 +16,8 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.fn = silu_and_mul
 
-    def use_compiled(self):
-        self.fn = compiled(silu_and_mul)
+    def use_compiled(self, enabled: bool = True):
+        self.fn = compiled(silu_and_mul) if enabled else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)

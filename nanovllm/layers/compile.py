@@ -1,7 +1,9 @@
 """torch.compile for the small elementwise ops (RMSNorm, SiLU-and-mul, rotary embedding).
 
-Eager, each is a chain of tiny kernels; compiled, each becomes one fused kernel. Only the CUDA model
-runner switches them on (CPU runs stay plain torch); NANOVLLM_COMPILE=0 keeps them eager for comparison."""
+Eager, each is a chain of tiny kernels; compiled, each becomes one fused kernel. They are switched on only
+while the decode CUDA graphs are captured: on one H200 that took a decode step's forward from 8.6 to 5.2 ms,
+while prefill with the compiled ops ran slower than eager (177 vs 103 ms per 16k-token step; see
+docs/benchmarks.md), so prefill stays eager. CPU runs stay plain torch. NANOVLLM_COMPILE=0 keeps them eager."""
 import functools
 import os
 
@@ -15,10 +17,9 @@ def compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-def compile_small_ops(model: nn.Module) -> bool:
-    if os.environ.get("NANOVLLM_COMPILE", "1") == "0":
-        return False
+def use_compiled_ops(model: nn.Module, enabled: bool):
+    """Switch every layer that has a compiled variant to it (or back to eager)."""
+    enabled = enabled and os.environ.get("NANOVLLM_COMPILE", "1") != "0"
     for module in model.modules():
         if hasattr(module, "use_compiled"):
-            module.use_compiled()
-    return True
+            module.use_compiled(enabled)

@@ -25,8 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
 
-    def use_compiled(self):
-        self.norm_fn, self.add_norm_fn = compiled(rms_norm), compiled(add_rms_norm)
+    def use_compiled(self, enabled: bool = True):
+        fns = (rms_norm, add_rms_norm)
+        self.norm_fn, self.add_norm_fn = map(compiled, fns) if enabled else fns
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual)."""

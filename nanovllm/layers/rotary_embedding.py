@@ -34,8 +34,8 @@ class RotaryEmbedding(nn.Module):
 
         self.fn = apply_rotary
 
-    def use_compiled(self):
-        self.fn = compiled(apply_rotary)
+    def use_compiled(self, enabled: bool = True):
+        self.fn = compiled(apply_rotary) if enabled else apply_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""

@@ -1,0 +1,29 @@
+"""The compiled small ops are switched on only where asked (the decode graph capture) and switch back."""
+import pytest
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul, silu_and_mul
+from nanovllm.layers.compile import compiled, use_compiled_ops
+from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+
+def _model():
+    return nn.ModuleList([RMSNorm(8), SiluAndMul(), RotaryEmbedding(8, 16, 10000.0)])
+
+
+def test_switch_on_and_back():
+    norm, act, rope = model = _model()
+    assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
+    use_compiled_ops(model, True)
+    assert norm.norm_fn is compiled(rms_norm) and act.fn is compiled(silu_and_mul) and rope.fn is compiled(apply_rotary)
+    assert norm.add_norm_fn is compiled(add_rms_norm)
+    use_compiled_ops(model, False)
+    assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
+
+
+def test_environment_switch_keeps_eager(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("NANOVLLM_COMPILE", "0")
+    norm, act, rope = model = _model()
+    use_compiled_ops(model, True)
+    assert (norm.norm_fn, act.fn, rope.fn) == (rms_norm, silu_and_mul, apply_rotary)
