@@ -1,30 +1,41 @@
 #!/usr/bin/env bash
-# Everything to run on a lent GPU in one call: GPU tests, kernel benchmark, bench.py variants.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|sampling|all]...   logs go to $OUT (default /tmp/nanovllm-gpu)
+# Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|sampling|tp]...   (no argument: all but tp)
+# tp needs 2 GPUs: bash benchmarks/gpu_suite.sh tp   on nvidia-h200-x2.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
-steps=${*:-all}
-has() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
+steps=${*:-tests kernels bench sampling}
+has() { [[ " $steps " == *" $1 "* ]]; }
+summary=()
+# step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, print the log's last lines
+step() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v -i warn "$OUT/$name.log" | tail -"${TAIL:-12}"
+  summary+=("$name: rc=$rc$([[ $rc == 124 ]] && echo ' (TIMED OUT)') $(grep -E '^nanovllm:|passed|failed' "$OUT/$name.log" | tail -1)")
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-summary=()
 if has tests; then
-  python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-  summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
+  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py
 fi
 if has kernels; then
-  python3 benchmarks/attention_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -40
+  TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
 fi
 if has bench; then
-  python3 bench.py --profile --no-tqdm 2>&1 | tee "$OUT/bench.log" | grep -v Warning
-  summary+=("bench (graphs): $(grep '^nanovllm:' "$OUT/bench.log")")
-  python3 bench.py --enforce-eager --no-tqdm 2>&1 | tee "$OUT/bench_eager.log" | grep -E '^nanovllm:'
-  summary+=("bench (eager):  $(grep '^nanovllm:' "$OUT/bench_eager.log")")
+  step bench 240 python3 bench.py --profile --no-tqdm
+  step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
 fi
 if has sampling; then
-  python3 benchmarks/sampling.py 2>&1 | tee "$OUT/sampling.log" | tail -10
+  TAIL=12 step sampling 300 python3 benchmarks/sampling.py
+fi
+if has tp; then
+  step tp_tests 300 python3 -m pytest -q -m gpu tests/test_tensor_parallel.py -x
+  step bench_8b_tp1 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --profile --no-tqdm
+  step bench_8b_tp2 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --no-tqdm
 fi
 printf '\n== summary ==\n'
 printf '%s\n' "${summary[@]}"
