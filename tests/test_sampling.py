@@ -304,3 +304,16 @@ def test_penalties_in_a_mixed_batch_with_chunked_prefill_and_preemption(qwen3_ti
         outs = tight.generate(prompts, [penalized, plain, penalized, plain], use_tqdm=False)
         assert [o["token_ids"] for o in outs] == expected
     assert preempted, "the test should force preemption"
+
+
+@pytest.mark.parametrize("temperatures", [[0.0, 0.0, 0.0], [1.0, 0.0, 0.7], [1.0, 2.0, 0.5]])
+def test_sampler_greedy_rows_and_host_flags(temperatures):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    temps = torch.tensor(temperatures)
+    st = SamplingTensors(temps, any_greedy=0.0 in temperatures, all_greedy=all(t == 0 for t in temperatures))
+    tokens, _ = Sampler()(logits, st, torch.Generator().manual_seed(0))
+    flagless, _ = Sampler()(logits, SamplingTensors(temps), torch.Generator().manual_seed(0))
+    assert tokens.tolist() == flagless.tolist()  # the flags only skip work
+    for row, t in enumerate(temperatures):
+        if t == 0:
+            assert tokens[row] == logits[row].argmax()

@@ -169,7 +169,8 @@ class ModelRunner:
         """Per-row sampling tensors; the optional ones only when some row needs them."""
         sps = [seq.sampling_params for seq in seqs]
         vocab = self.config.hf_config.vocab_size
-        st = SamplingTensors(self._tensor([sp.temperature for sp in sps], torch.float32))
+        st = SamplingTensors(self._tensor([sp.temperature for sp in sps], torch.float32),
+                             any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps))
         if any(sp.needs_filtering for sp in sps):
             if any(sp.top_k > 0 for sp in sps):
                 st.top_ks = self._tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sps], torch.int64)

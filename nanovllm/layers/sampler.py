@@ -12,6 +12,8 @@ class SamplingTensors:
     row in the batch uses them, so the plain path stays a softmax and one argmax."""
 
     temperatures: torch.Tensor  # [batch] float32; 0: greedy
+    any_greedy: bool = True  # host-side flags, so that a batch skips the work none of its rows needs
+    all_greedy: bool = False
     top_ks: torch.Tensor | None = None  # [batch] int64; vocab size when off
     top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
@@ -45,15 +47,18 @@ class Sampler(nn.Module):
                 - st.frequency.unsqueeze(1) * st.output_counts
         if st.banned is not None:
             logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
-        greedy = logits.argmax(-1)
-        probs = torch.softmax(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), -1)
-        if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
-            probs = _filter(probs, st)
-        noise = torch.empty_like(probs).exponential_(1, generator=generator)
-        for row, gen in st.generators or ():
-            noise[row].exponential_(1, generator=gen)  # a seeded request's draws depend on nothing else
-        sampled = (probs / noise.clamp_(min=1e-10)).argmax(-1)
-        tokens = torch.where(st.temperatures == 0, greedy, sampled)
+        if st.all_greedy:  # nothing to draw: skip the softmax and the noise
+            tokens = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), -1)
+            if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
+                probs = _filter(probs, st)
+            noise = torch.empty_like(probs).exponential_(1, generator=generator)
+            for row, gen in st.generators or ():
+                noise[row].exponential_(1, generator=gen)  # a seeded request's draws depend on nothing else
+            tokens = probs.div_(noise.clamp_(min=1e-10)).argmax(-1)
+            if st.any_greedy:
+                tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         if raw_logprobs is None:
             return tokens, None
         top = raw_logprobs.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
