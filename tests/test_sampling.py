@@ -161,7 +161,8 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
+            11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79, 18: 42.31, 19: 43.82}
 
 
 @pytest.mark.parametrize("temperature, opts, expect", [
@@ -317,3 +318,36 @@ def test_sampler_greedy_rows_and_host_flags(temperatures):
     for row, t in enumerate(temperatures):
         if t == 0:
             assert tokens[row] == logits[row].argmax()
+
+
+def test_seeded_filtered_request_is_independent_of_the_batch(llm):
+    """The batch decides between topk and a full sort (max_top_k): a seeded row must not notice."""
+    prompt = _prompts(13, [10])[0]
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=N, ignore_eos=True, seed=99)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    others = [SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=50, max_tokens=N, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)]
+    for other in others:
+        outs = llm.generate([_prompts(14, [7])[0], prompt], [other, seeded], use_tqdm=False)
+        assert outs[1]["token_ids"] == alone, other
+
+
+def test_topk_path_matches_the_sort_path():
+    """With every row top-k'd the sampler ranks only max_top_k candidates; the distribution is the same."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))
+    temps = torch.full((4,), 0.8)
+    kw = dict(top_ks=torch.tensor([5, 10, 20, 3]), top_ps=torch.full((4,), 0.8), any_greedy=False)
+    fast = SamplingTensors(temps, max_top_k=20, **kw)
+    full = SamplingTensors(temps, **kw)  # max_top_k unset: the full sort
+    counts = {}
+    for name, st in (("fast", fast), ("full", full)):
+        gen = torch.Generator().manual_seed(11)
+        draws = torch.stack([Sampler()(logits, st, gen)[0] for _ in range(3000)])
+        counts[name] = [torch.bincount(draws[:, r], minlength=300).float() for r in range(4)]
+    for r in range(4):
+        a, b = counts["fast"][r], counts["full"][r]
+        assert set(a.nonzero().flatten().tolist()) == set(b.nonzero().flatten().tolist())
+        keep = (a + b) > 0
+        chi2 = float(((a[keep] - b[keep]) ** 2 / (a[keep] + b[keep])).sum())  # two-sample chi-square
+        assert chi2 < CHI2_999[int(keep.sum()) - 1]

@@ -170,10 +170,12 @@ class ModelRunner:
         sps = [seq.sampling_params for seq in seqs]
         vocab = self.config.hf_config.vocab_size
         st = SamplingTensors(self._tensor([sp.temperature for sp in sps], torch.float32),
-                             any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps))
+                             any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps),
+                             vocab_size=vocab)
         if any(sp.needs_filtering for sp in sps):
             if any(sp.top_k > 0 for sp in sps):
-                st.top_ks = self._tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sps], torch.int64)
+                top_ks = [sp.top_k if sp.top_k > 0 and not sp.greedy else vocab for sp in sps]
+                st.top_ks, st.max_top_k = self._tensor(top_ks, torch.int64), max(top_ks)
             if any(sp.top_p < 1 for sp in sps):
                 st.top_ps = self._tensor([sp.top_p for sp in sps], torch.float32)
             if any(sp.min_p > 0 for sp in sps):

@@ -14,6 +14,8 @@ class SamplingTensors:
     temperatures: torch.Tensor  # [batch] float32; 0: greedy
     any_greedy: bool = True  # host-side flags, so that a batch skips the work none of its rows needs
     all_greedy: bool = False
+    max_top_k: int = 1 << 62  # largest top-k of the batch (every row has one), else more than the vocabulary
+    vocab_size: int = 0  # for seeded rows' draws (0: the logits' width)
     top_ks: torch.Tensor | None = None  # [batch] int64; vocab size when off
     top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
@@ -52,11 +54,9 @@ class Sampler(nn.Module):
         else:
             probs = torch.softmax(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), -1)
             if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
-                probs = _filter(probs, st)
-            noise = torch.empty_like(probs).exponential_(1, generator=generator)
-            for row, gen in st.generators or ():
-                noise[row].exponential_(1, generator=gen)  # a seeded request's draws depend on nothing else
-            tokens = probs.div_(noise.clamp_(min=1e-10)).argmax(-1)
+                tokens = _sample_filtered(probs, st, generator)
+            else:
+                tokens = _race(probs, st, generator)
             if st.any_greedy:
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         if raw_logprobs is None:
@@ -66,21 +66,35 @@ class Sampler(nn.Module):
         return tokens, (top.values if top else None, top.indices if top else None, chosen)
 
 
-def _filter(probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Zero the probabilities that top-k, top-p and min-p remove (one sort for the batch)."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    rank = torch.arange(probs.size(1), device=probs.device).unsqueeze(0)
+def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
+    """The exponential race among candidates: probs [batch, n]; token_ids [batch, n] gives each candidate's
+    vocabulary id (None: candidate i is token i). A seeded row draws one Exp(1) per vocabulary id from its
+    own generator, so its tokens do not depend on how many candidates the rest of the batch needs."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    for row, gen in st.generators or ():
+        draws = torch.empty(st.vocab_size or probs.size(1), device=probs.device).exponential_(1, generator=gen)
+        noise[row] = draws if token_ids is None else draws[token_ids[row]]
+    pick = probs.div_(noise.clamp_(min=1e-10)).argmax(-1)
+    return pick if token_ids is None else token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
+def _sample_filtered(probs: torch.Tensor, st: SamplingTensors, generator) -> torch.Tensor:
+    """top-k, then top-p (over what top-k kept, renormalized), then min-p; then the race among the rest.
+    When every row has a top-k, only the max_top_k best candidates are ranked (topk instead of a full sort)."""
+    if st.max_top_k < probs.size(1):
+        sorted_probs, order = probs.topk(st.max_top_k, -1)
+    else:
+        sorted_probs, order = probs.sort(-1, descending=True)
+    rank = torch.arange(sorted_probs.size(1), device=probs.device).unsqueeze(0)
     remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if st.top_ks is not None:
         remove |= rank >= st.top_ks.unsqueeze(1)
     if st.top_ps is not None:
-        # keep the smallest prefix whose mass (renormalized after top-k) reaches top_p:
-        # drop a token when the mass before it already does
+        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does
         kept = sorted_probs.masked_fill(remove, 0.0)
         mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
         remove |= mass_before >= st.top_ps.unsqueeze(1)
     if st.min_ps is not None:
         remove |= sorted_probs < st.min_ps.unsqueeze(1) * sorted_probs[:, :1]
     remove[:, 0] = False  # the most likely token always stays
-    sorted_probs = sorted_probs.masked_fill(remove, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return _race(sorted_probs.masked_fill(remove, 0.0), st, generator, order)
