@@ -138,3 +138,18 @@ def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
     llm.model_runner.kv_cache.fill_(float("nan"))
     prompts = _prompts(13, [5, 21])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_cached_prefill_warmup_reads_history_and_leaves_the_engine_exact(qwen3_tied, block_size):
+    """The CUDA start-up's second warm-up (a prefill over cached history) is device-independent: run it here."""
+    from nanovllm.engine import cuda_memory
+    llm = LLM(qwen3_tied, kvcache_block_size=block_size)
+    runner, seen = llm.model_runner, []
+    prefill = runner.backend.prefill
+    runner.backend.prefill = lambda *a: (seen.append(a[5].block_tables is not None), prefill(*a))[1]
+    cuda_memory.warmup_cached_prefill(runner)
+    runner.backend.prefill = prefill
+    assert seen and all(seen)  # every layer took the path that reads K/V through block tables
+    prompts = _prompts(13, [20, 40])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)

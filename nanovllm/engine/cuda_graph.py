@@ -3,7 +3,6 @@ import bisect
 
 import torch
 
-from nanovllm.layers.compile import use_compiled_ops
 from nanovllm.utils.context import Context, reset_context, set_context
 
 
@@ -37,13 +36,6 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device)
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        use_compiled_ops(model, True)  # fused small ops inside the graphs only (prefill stays eager)
-        try:
-            self._capture(model)
-        finally:
-            use_compiled_ops(model, False)
-
-    def _capture(self, model):
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones

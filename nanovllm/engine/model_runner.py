@@ -7,6 +7,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
+from nanovllm.layers.compile import use_compiled_ops
 from nanovllm.layers.penalties import PenaltyState
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import build_model
@@ -63,6 +64,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         self.penalties: PenaltyState | None = None  # token history, made when a request first needs it
+        if self.is_cuda and not config.enforce_eager:
+            use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
         if self.is_cuda:
             from nanovllm.engine import cuda_memory
             cuda_memory.warmup(self)
@@ -73,6 +76,8 @@ class ModelRunner:
         if group is not None:  # every rank must hold the same blocks; the scheduler counts rank 0's
             num_blocks = group.min(num_blocks, self.device)
         self.allocate_kv_cache(num_blocks)
+        if self.is_cuda:
+            cuda_memory.warmup_cached_prefill(self)
         # Decode graphs with NCCL collectives inside hung on 2 H200s (2026-11-29, unexplained): TP decodes eagerly.
         use_graphs = self.backend.supports_cuda_graphs and self.world_size == 1
         if self.is_cuda and not config.enforce_eager and not use_graphs and rank == 0:

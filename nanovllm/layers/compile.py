@@ -1,9 +1,8 @@
 """torch.compile for the small elementwise ops (RMSNorm, SiLU-and-mul, rotary embedding).
 
-Eager, each is a chain of tiny kernels; compiled, each becomes one fused kernel. They are switched on only
-while the decode CUDA graphs are captured: on one H200 that took a decode step's forward from 8.6 to 5.2 ms,
-while prefill with the compiled ops ran slower than eager (177 vs 103 ms per 16k-token step; see
-docs/benchmarks.md), so prefill stays eager. CPU runs stay plain torch. NANOVLLM_COMPILE=0 keeps them eager."""
+Eager, each is a chain of tiny kernels; compiled, each becomes one fused kernel. The CUDA model runner
+switches them on (unless enforce_eager); on one H200 that took a decode step's forward from 8.6 to 5.2 ms
+(docs/benchmarks.md). CPU runs stay plain torch. NANOVLLM_COMPILE=0 keeps them eager, for comparison."""
 import functools
 import os
 
