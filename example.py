@@ -11,7 +11,7 @@ from nanovllm.utils.bundled import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?",
-    "What is the largest planet in our solar system?",
+    "What is the boiling point of water in Celsius?",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]
