@@ -9,6 +9,7 @@ without the engine, each variant in fresh processes with a deadline, and prints 
     python benchmarks/tp_graph_check.py
 """
 import os
+import socket
 import sys
 from datetime import timedelta
 
@@ -59,11 +60,17 @@ def run(rank: int, variant: str, port: int, result):
     result[rank] = 2  # replayed
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main():
     ctx = mp.get_context("spawn")
-    for i, variant in enumerate(("raw", "default")):
-        result = ctx.Array("i", 2)
-        procs = [ctx.Process(target=run, args=(r, variant, 29611 + i, result), daemon=True) for r in range(2)]
+    for variant in ("raw", "default"):
+        result, port = ctx.Array("i", 2), free_port()
+        procs = [ctx.Process(target=run, args=(r, variant, port, result), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
