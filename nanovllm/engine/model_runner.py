@@ -3,8 +3,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from nanovllm.config import Config
+from nanovllm.engine import cuda_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.compile import use_compiled_ops
@@ -47,45 +49,58 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-        hf = config.hf_config
-        torch.manual_seed(config.seed)
-        with _default_dtype(config.torch_dtype), self.device, building_for(group):
-            self.model = build_model(hf)
-            if config.load_format == "dummy":
-                init_dummy_weights(self.model, config.seed)
-            else:
-                load_weights(self.model, config.model)
-        self.model.eval()
+        self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.graphs = None
         self.penalties: PenaltyState | None = None  # token history, made when a request first needs it
         if self.is_cuda and not config.enforce_eager:
             use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
+        self.allocate_kv_cache(self._count_kv_blocks())
+        self.graphs = self._capture_graphs()
+
+    def _load_model(self) -> nn.Module:
+        cfg = self.config
+        with _default_dtype(cfg.torch_dtype), self.device, building_for(self.group):
+            model = build_model(cfg.hf_config)
+            if cfg.load_format == "dummy":
+                init_dummy_weights(model, cfg.seed)
+            else:
+                load_weights(model, cfg.model)
+        return model.eval()
+
+    def _count_kv_blocks(self) -> int:
+        """On CUDA: what is left after a warm-up at the largest step; on CPU: the configured budget."""
+        cfg = self.config
         if self.is_cuda:
-            from nanovllm.engine import cuda_memory
             cuda_memory.warmup(self)
             num_blocks = cuda_memory.num_kvcache_blocks(self)
         else:
-            budget = int(config.cpu_kvcache_gb * 2**30)
-            num_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else budget // self.block_bytes
-        if group is not None:  # every rank must hold the same blocks; the scheduler counts rank 0's
-            num_blocks = group.min(num_blocks, self.device)
-        self.allocate_kv_cache(num_blocks)
-        if self.is_cuda:
-            cuda_memory.warmup_cached_prefill(self)
+            budget = int(cfg.cpu_kvcache_gb * 2**30)
+            num_blocks = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else budget // self.block_bytes
+        if self.group is not None:  # every rank must hold the same blocks; the scheduler counts rank 0's
+            num_blocks = self.group.min(num_blocks, self.device)
+        return num_blocks
+
+    def _capture_graphs(self):
+        """Decode CUDA graphs, after a warm-up of the cached-history prefill (its kernels JIT here, not later)."""
+        cfg = self.config
+        if not self.is_cuda:
+            return None
+        cuda_memory.warmup_cached_prefill(self)
+        if cfg.enforce_eager:
+            return None
         # Decode graphs with NCCL collectives inside hung on 2 H200s (2026-11-29, unexplained): TP decodes eagerly.
-        use_graphs = self.backend.supports_cuda_graphs and self.world_size == 1
-        if self.is_cuda and not config.enforce_eager and not use_graphs and rank == 0:
-            logger.warning("CUDA graphs are off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
-                           self.backend.name, self.world_size)
-        if self.is_cuda and not config.enforce_eager and use_graphs:
-            from nanovllm.engine.cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(self)
+        if not self.backend.supports_cuda_graphs or self.world_size > 1:
+            if self.rank == 0:
+                logger.warning("CUDA graphs are off (attention backend %s, tensor_parallel_size %d): decode runs "
+                               "eagerly", self.backend.name, self.world_size)
+            return None
+        from nanovllm.engine.cuda_graph import DecodeGraphs
+        return DecodeGraphs(self)
 
     def call(self, method: str, *args):
         """Run `method` on every rank (rank 0 sends it to the workers first); rank 0's result."""
