@@ -22,6 +22,16 @@ def test_switch_on_and_back():
     assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 
 
+def test_sampler_race_switches():
+    from nanovllm.layers.sampler import Sampler, race_in_log_space
+    sampler = Sampler()
+    assert sampler.race_fn is race_in_log_space
+    use_compiled_ops(sampler, True)
+    assert sampler.race_fn is compiled(race_in_log_space)
+    use_compiled_ops(sampler, False)
+    assert sampler.race_fn is race_in_log_space
+
+
 def test_environment_switch_keeps_eager(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("NANOVLLM_COMPILE", "0")
     norm, act, rope = model = _model()

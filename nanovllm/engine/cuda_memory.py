@@ -23,6 +23,7 @@ def warmup(runner):
         logits = torch.zeros(cfg.max_num_seqs, vocab, dtype=cfg.torch_dtype, device=runner.device)
         temperatures = torch.ones(cfg.max_num_seqs, device=runner.device)
         runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
+        runner.sampler(logits[:1], SamplingTensors(temperatures[:1]), runner.generator)  # batch 1 compiles apart
         del logits
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -59,6 +59,7 @@ class ModelRunner:
         self.penalties: PenaltyState | None = None  # token history, made when a request first needs it
         if self.is_cuda and not config.enforce_eager:
             use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
+            use_compiled_ops(self.sampler, True)
         self.allocate_kv_cache(self._count_kv_blocks())
         self.graphs = self._capture_graphs()
 

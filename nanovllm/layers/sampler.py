@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.compile import compiled
+
 
 @dataclass
 class SamplingTensors:
@@ -35,6 +37,13 @@ class Sampler(nn.Module):
     """Exact sampling without multinomial: argmax(p / E) with E ~ Exp(1) picks token i with probability
     p_i (the exponential race). Rows with temperature 0 take the argmax of the processed logits."""
 
+    def __init__(self):
+        super().__init__()
+        self.race_fn = race_in_log_space
+
+    def use_compiled(self, enabled: bool = True):
+        self.race_fn = compiled(race_in_log_space) if enabled else race_in_log_space
+
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution."""
@@ -52,11 +61,11 @@ class Sampler(nn.Module):
         if st.all_greedy:  # nothing to draw: skip the softmax and the noise
             tokens = logits.argmax(-1)
         else:
-            probs = torch.softmax(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), -1)
+            temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
             if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
-                tokens = _sample_filtered(probs, st, generator)
-            else:
-                tokens = _race(probs, st, generator)
+                tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator)
+            else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
+                tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
             if st.any_greedy:
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         if raw_logprobs is None:
@@ -66,14 +75,25 @@ class Sampler(nn.Module):
         return tokens, (top.values if top else None, top.indices if top else None, chosen)
 
 
-def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
-    """The exponential race among candidates: probs [batch, n]; token_ids [batch, n] gives each candidate's
-    vocabulary id (None: candidate i is token i). A seeded row draws one Exp(1) per vocabulary id from its
-    own generator, so its tokens do not depend on how many candidates the rest of the batch needs."""
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
+    """Exp(1) draws shaped like `like` [batch, n]; token_ids [batch, n] gives each candidate's vocabulary id
+    (None: candidate i is token i). A seeded row draws one Exp(1) per vocabulary id from its own generator,
+    so its tokens do not depend on how many candidates the rest of the batch needs."""
+    noise = torch.empty(like.shape, device=like.device).exponential_(1, generator=generator)
     for row, gen in st.generators or ():
-        draws = torch.empty(st.vocab_size or probs.size(1), device=probs.device).exponential_(1, generator=gen)
+        draws = torch.empty(st.vocab_size or like.size(1), device=like.device).exponential_(1, generator=gen)
         noise[row] = draws if token_ids is None else draws[token_ids[row]]
+    return noise
+
+
+def race_in_log_space(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / T - log E): the exponential race on softmax(logits / T), one fused pass when compiled."""
+    return (logits.float() / temperatures - noise.log()).argmax(-1)
+
+
+def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
+    """The exponential race among candidates: argmax(p / E) picks candidate i with probability p_i."""
+    noise = _noise(probs, st, generator, token_ids)
     pick = probs.div_(noise.clamp_(min=1e-10)).argmax(-1)
     return pick if token_ids is None else token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
 
