@@ -30,6 +30,8 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    if args.async_scheduling:
+        kwargs["async_scheduling"] = True
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.config.num_kvcache_blocks} KV blocks")
@@ -142,6 +144,7 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=0, help="0: the engine default")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true", help="schedule decode step N+1 while step N runs")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
     p.add_argument("--seed", type=int, default=0)

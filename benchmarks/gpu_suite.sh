@@ -27,6 +27,7 @@ if has kernels; then
 fi
 if has bench; then
   step bench 240 python3 bench.py --profile --no-tqdm
+  step bench_async 240 python3 bench.py --async-scheduling --profile --no-tqdm
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
 fi
 if has sampling; then

@@ -26,6 +26,7 @@ class Config:
     seed: int = 0
     cpu_kvcache_gb: float = 2.0  # KV cache budget on CPU when num_kvcache_blocks is -1
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn"
+    async_scheduling: bool = False  # schedule decode step N+1 while step N runs (one rank only)
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
@@ -65,6 +66,8 @@ class Config:
             raise ValueError("device='cuda' but no CUDA GPU is available; use device='cpu' or 'auto'")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling works with tensor_parallel_size=1 only; turn one of them off")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 

@@ -71,6 +71,20 @@ def test_graph_replay_equals_eager(qwen3_tied):
                 assert abs(da[tid] - db[tid]) < 1e-3
 
 
+def test_async_scheduling_equals_the_plain_loop(qwen3_tied):
+    prompts = _prompts(4, [5, 40, 100, 7, 64, 250, 31])
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=40, seed=5, logprobs=2, repetition_penalty=1.2)] * 4
+    results = []
+    for overlap in (False, True):
+        llm = LLM(qwen3_tied, device="cuda", dtype="float32", max_num_seqs=100, max_model_len=512,
+                  num_kvcache_blocks=16, async_scheduling=overlap)
+        results.append(llm.generate(prompts, params[: len(prompts)], use_tqdm=False))
+        llm.exit()
+    for a, b in zip(*results):
+        assert a["token_ids"] == b["token_ids"]
+
+
 def test_every_batch_size_finds_a_graph(qwen3_tied):
     llm = LLM(qwen3_tied, device="cuda", dtype="bfloat16", max_num_seqs=100, max_model_len=256,
               gpu_memory_utilization=0.5)  # the KV cache carved from free memory

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.workers import start_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import load_tokenizer
@@ -21,6 +21,11 @@ Prompt = str | list[int]
 
 # generation_config.json fields that become the default SamplingParams, as vLLM does
 _GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _nothing_to_schedule() -> RuntimeError:
+    return RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small for the "
+                        "waiting requests")
 
 
 def default_sampling_params(model: str) -> SamplingParams:
@@ -49,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.default_sampling_params = default_sampling_params(config.model)
         self._closed = False
+        self._pending = None  # async scheduling: the decode step launched and not yet settled
         atexit.register(self.exit)
 
     def exit(self):
@@ -105,23 +111,58 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """One scheduler step. Returns the sequences that received a token (check `.is_finished`) and
-        the number of tokens computed (positive: prefill tokens, negative: decode sequences)."""
+        the number of tokens computed (positive: prefill tokens, negative: decode sequences).
+        With async_scheduling, a decode step returns the tokens of the step launched before it."""
+        if self.config.async_scheduling:
+            return self._step_async()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            raise RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small "
-                               "for the waiting requests")
+            raise _nothing_to_schedule()
+        return self._run_scheduled(seqs, is_prefill)
+
+    def _step_async(self) -> tuple[list[Sequence], int]:
+        """Launch decode step N+1 before waiting for step N's tokens, so the CPU schedules and prepares while
+        the GPU computes. Inputs that step N sampled stay on the device; placeholders stand for them in the
+        sequences until N is settled. A sequence that step N ends still runs (uselessly) in N+1."""
+        pending, scheduler = self._pending, self.scheduler
+        if pending is not None and scheduler.waiting:  # a prefill comes next: it needs the real tokens
+            return self._settle(), -len(pending.seqs)
+        seqs, is_prefill = scheduler.schedule()
+        if not seqs:
+            if pending is not None:
+                return self._settle(), -len(pending.seqs)
+            raise _nothing_to_schedule()
+        if is_prefill:  # (nothing is pending: waiting sequences made us settle above)
+            return self._run_scheduled(seqs, is_prefill)
+        self._pending = self.model_runner.launch_decode(seqs, pending)
+        for seq in seqs:
+            seq.append_token(PENDING_TOKEN)
+        return (self._settle(pending) if pending is not None else []), -len(seqs)
+
+    def _run_scheduled(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], int]:
         token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
         updated = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        for seq in updated:
+        self._update_texts(updated)
+        return updated, sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+
+    def _settle(self, step=None) -> list[Sequence]:
+        """Wait for a launched step's tokens and apply them."""
+        if step is None or step is self._pending:
+            step, self._pending = self._pending, None
+        token_ids, logprobs = self.model_runner.settle(step)
+        updated = self.scheduler.postprocess_async(step.seqs, step.out_index, token_ids, logprobs)
+        self._update_texts(updated)
+        return updated
+
+    def _update_texts(self, seqs: list[Sequence]):
+        for seq in seqs:
             if seq.detokenizer is not None:
                 self._update_text(seq)
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        return updated, num_tokens
 
     def _update_text(self, seq: Sequence):
         """Incremental text for streaming and stop strings; finishes the sequence on a stop string."""
         detok = seq.detokenizer
-        delta = detok.add(seq.last_token)
+        delta = detok.add(seq.new_token)
         if seq.is_finished:
             delta += detok.flush()
         stops = seq.sampling_params.stop_strings
@@ -136,7 +177,7 @@ class LLMEngine:
             seq.finish_reason = "stop"
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._pending is None
 
     def _text(self, seq: Sequence) -> str:
         if seq.detokenizer is not None:
@@ -211,6 +252,7 @@ class LLMEngine:
                 yield updated
         finally:
             bar.close()
+            self._pending = None  # a step still in flight only touches these sequences' (now freed) blocks
             for seq in seqs:  # leave the engine clean for the next call
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
@@ -247,7 +289,7 @@ class LLMEngine:
                 end = len(text) if seq.is_finished or not stops else max(0, len(text) - max(map(len, stops)) + 1)
                 start = emitted[seq.seq_id]
                 emitted[seq.seq_id] = max(start, end)
-                item = {"index": index[seq.seq_id], "text": text[start:end], "token_ids": [seq.last_token],
+                item = {"index": index[seq.seq_id], "text": text[start:end], "token_ids": [seq.new_token],
                         "finished": seq.is_finished, "finish_reason": seq.finish_reason}
                 if seq.sampling_params.logprobs is not None:
                     item["logprobs"] = seq.logprobs[-1:]

@@ -1,5 +1,6 @@
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
     from nanovllm.engine.workers import Workers
 
 logger = logging.getLogger("nanovllm")
+
+
+@dataclass
+class PendingStep:
+    """A decode step launched without waiting for its sampled tokens (async scheduling)."""
+
+    seqs: list[Sequence]
+    out_index: list[int]  # where each sequence's sampled token goes in its token_ids
+    tokens: torch.Tensor  # [batch] on the device: the next step's input ids are taken from here
+    tokens_host: torch.Tensor  # a copy in pinned host memory, valid once `ready` has passed
+    logprobs_host: tuple | None = None
+    ready: "torch.cuda.Event | None" = None
 
 
 @contextmanager
@@ -186,9 +199,11 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
+    def prepare_sample(self, seqs: list[Sequence], is_prefill: bool) -> SamplingTensors:
         """Per-row sampling tensors; the optional ones only when some row needs them."""
         sps = [seq.sampling_params for seq in seqs]
+        # a chunk of a longer prefill samples a token that is thrown away: it must not use up seeded draws
+        keeps = [not is_prefill or seq.samples_this_step for seq in seqs]
         vocab = self.config.hf_config.vocab_size
         st = SamplingTensors(self._tensor([sp.temperature for sp in sps], torch.float32),
                              any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps),
@@ -205,7 +220,7 @@ class ModelRunner:
             if self.penalties is None:
                 self.penalties = PenaltyState(vocab, self.device)
             st.penalty_rows, st.seen_mask, st.output_counts = self.penalties.gather(seqs)
-            st.sampled_rows = self._tensor([seq.samples_this_step for seq in seqs], torch.bool)
+            st.sampled_rows = self._tensor(keeps, torch.bool)
         if any(sp.repetition_penalty != 1 for sp in sps):
             st.repetition = self._tensor([sp.repetition_penalty for sp in sps], torch.float32)
         if any(sp.presence_penalty or sp.frequency_penalty for sp in sps):
@@ -219,8 +234,8 @@ class ModelRunner:
                 banned_ids += ids
         if banned_rows:
             st.banned = (self._tensor(banned_rows, torch.int64), self._tensor(banned_ids, torch.int64))
-        for i, (seq, sp) in enumerate(zip(seqs, sps)):
-            if sp.seed is not None and not sp.greedy and seq.samples_this_step:
+        for i, (seq, sp, keep) in enumerate(zip(seqs, sps, keeps)):
+            if sp.seed is not None and not sp.greedy and keep:
                 if seq.generator is None:
                     seq.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
                 st.generators = (st.generators or []) + [(i, seq.generator)]
@@ -243,11 +258,55 @@ class ModelRunner:
             out.append(d)
         return out
 
+    def launch_decode(self, seqs: list[Sequence], previous: "PendingStep | None") -> "PendingStep":
+        """Async scheduling (rank 0, one rank): start a decode step and return without waiting for its tokens.
+        A sequence whose input is the token `previous` sampled takes it straight from the device."""
+        try:
+            input_ids, positions = self.prepare_decode(seqs)
+            if previous is not None:
+                source = {seq.seq_id: (row, index) for row, (seq, index)
+                          in enumerate(zip(previous.seqs, previous.out_index))}
+                rows = []
+                for seq in seqs:
+                    row, index = source.get(seq.seq_id, (-1, -1))
+                    rows.append(row if index == len(seq) - 1 else -1)  # is its input that step's output?
+                if any(row >= 0 for row in rows):
+                    rows = self._tensor(rows, torch.int64)
+                    input_ids = torch.where(rows >= 0, previous.tokens[rows.clamp(min=0)], input_ids)
+            sampling = self.prepare_sample(seqs, False)
+            logits = self.run_model(input_ids, positions, False)
+            tokens, logprobs = self.sampler(logits, sampling, self.generator)
+            if sampling.penalty_rows is not None:
+                self.penalties.update(sampling.penalty_rows, tokens, sampling.sampled_rows)
+            step = PendingStep(seqs, [len(seq) for seq in seqs], tokens, self._to_host(tokens),
+                               tuple(self._to_host(t) if t is not None else None for t in logprobs)
+                               if logprobs is not None else None)
+            if self.is_cuda:
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            return step
+        finally:
+            reset_context()
+
+    def settle(self, step: "PendingStep") -> tuple[list[int], list | None]:
+        """Wait for a launched step's tokens (only for that step, not for what was launched after it)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.tokens_host.tolist()
+        logprobs = self._logprob_dicts(step.seqs, tokens, step.logprobs_host) if step.logprobs_host else None
+        return tokens, logprobs
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.is_cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
         """One step; rank 0 returns (sampled token ids, per-sequence logprob dicts or None)."""
         try:
             input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-            sampling = self.prepare_sample(seqs) if self.rank == 0 else None
+            sampling = self.prepare_sample(seqs, is_prefill) if self.rank == 0 else None
             logits = self.run_model(input_ids, positions, is_prefill)
             if self.rank != 0:
                 return None

@@ -63,8 +63,12 @@ class Scheduler:
             return scheduled, True
 
         # Decode: one token per running sequence.
+        done_when_settled = []  # async scheduling: their token in flight already ends them (length)
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
+            if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                done_when_settled.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -75,7 +79,7 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(scheduled + done_when_settled))
         return scheduled, False
 
     def preempt(self, seq: Sequence):
@@ -99,16 +103,49 @@ class Scheduler:
             if logprobs is not None and logprobs[i] is not None:
                 seq.logprobs.append(logprobs[i])
             updated.append(seq)
-            sp = seq.sampling_params
-            may_stop = seq.num_completion_tokens >= sp.min_tokens
-            if may_stop and ((not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
-                self.finish(seq, "stop")
-            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            seq.new_token = token_id
+            self._check_stop(seq, token_id, seq.num_tokens)
         return updated
 
+    def postprocess_async(self, seqs: list[Sequence], out_index: list[int], token_ids: list[int],
+                          logprobs: list | None = None) -> list[Sequence]:
+        """Settle a decode step launched without waiting (async scheduling): sequence i's sampled token goes to
+        token_ids[out_index[i]], whose placeholder the engine appended at launch. Since then the next step may
+        have been scheduled: a sequence may hold one more placeholder, or have been preempted."""
+        updated = []
+        for i, (seq, index, token_id) in enumerate(zip(seqs, out_index, token_ids)):
+            if seq.is_finished:
+                continue  # it ended at the step before: this token was spare work
+            seq.token_ids[index] = token_id
+            if index == seq.num_tokens - 1:
+                seq.last_token = token_id
+            if seq.status == SequenceStatus.RUNNING:  # (a preempted sequence has no K/V left to count)
+                seq.num_cached_tokens = index
+                self.block_manager.hash_blocks(seq)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
+            seq.new_token = token_id
+            updated.append(seq)
+            self._check_stop(seq, token_id, index + 1)
+        return updated
+
+    def _check_stop(self, seq: Sequence, token_id: int, length: int) -> bool:
+        """Finish `seq` if the token at position length-1 ends it (EOS, a stop id, max_tokens, max_model_len)."""
+        sp = seq.sampling_params
+        num_completion = length - seq.num_prompt_tokens
+        if num_completion >= sp.min_tokens and (
+                (not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
+            self.finish(seq, "stop")
+        elif num_completion >= seq.max_tokens or length >= self.max_model_len:
+            self.finish(seq, "length")
+        return seq.is_finished
+
     def finish(self, seq: Sequence, reason: str):
+        seq.drop_pending()
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        for queue in (self.running, self.waiting):  # a preempted sequence can finish from the waiting queue
+            if seq in queue:
+                queue.remove(seq)
+                break

@@ -4,6 +4,8 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # async scheduling: stands for a sampled token that is still on the device
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -38,6 +40,7 @@ class Sequence:
         self.ignore_eos = sampling_params.ignore_eos
         self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0)
         self.logprobs: list[dict[int, float]] = []
+        self.new_token = -1  # the token the last settled step added (streaming reports it)
         self.detokenizer = None  # IncrementalDetokenizer when text is needed while generating
 
     def __len__(self) -> int:
@@ -79,6 +82,13 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def drop_pending(self):
+        """Remove trailing placeholders (a step still in flight when the sequence ended)."""
+        while self.token_ids and self.token_ids[-1] == PENDING_TOKEN:
+            self.token_ids.pop()
+        self.num_tokens = len(self.token_ids)
+        self.last_token = self.token_ids[-1]
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

@@ -1,0 +1,95 @@
+"""async_scheduling=True: decode step N+1 is launched before step N's tokens are read back.
+Every output must equal the plain loop's (and transformers' for greedy)."""
+import random
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy
+
+N = 20
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def _same(a: list[dict], b: list[dict]):
+    for x, y in zip(a, b):
+        assert (x["token_ids"], x["text"], x["finish_reason"]) == (y["token_ids"], y["text"], y["finish_reason"])
+        assert x.get("logprobs") == y.get("logprobs")
+
+
+def test_greedy_matches_transformers(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=True)
+    prompts = _prompts(0, [3, 16, 17, 70, 300])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, N) and out["finish_reason"] == "length"
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+
+
+def test_chunked_prefill_preemption_and_prefix_hits(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+              max_num_batched_tokens=40, async_scheduling=True)
+    preempted = []
+    original = llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    prompts = _prompts(1, [30, 35, 60, 20, 45, 33])
+    prompts.append(prompts[2] + [1, 2, 3])
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert preempted
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 30)
+    assert llm.scheduler.block_manager.num_free_blocks == 12
+
+
+def test_every_option_equals_the_plain_loop(qwen3_tied):
+    plain = LLM(qwen3_tied, kvcache_block_size=16, max_model_len=60, num_kvcache_blocks=20)
+    overlapped = LLM(qwen3_tied, kvcache_block_size=16, max_model_len=60, num_kvcache_blocks=20,
+                     async_scheduling=True)
+    prompts = ["Once upon a time", "Hello world"] + _prompts(2, [12, 30, 50, 8])
+    base = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    eos = base[2]["token_ids"][3]
+    for llm in (plain, overlapped):
+        llm.scheduler.eos_token_ids, llm.config.eos_token_ids = {eos}, [eos]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=base[0]["text"][5:8]),
+        SamplingParams(temperature=0.9, max_tokens=25, seed=3, logprobs=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=25),  # stops on the made-up EOS
+        SamplingParams(temperature=0, max_tokens=25, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),  # runs into max_model_len
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8, max_tokens=9, seed=8, stop_token_ids=[eos],
+                       frequency_penalty=0.5),
+    ]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert expected[2]["finish_reason"] == "stop" and expected[4]["finish_reason"] == "length"
+    _same(overlapped.generate(prompts, params, use_tqdm=False), expected)
+    streamed = {i: "" for i in range(len(prompts))}
+    for item in overlapped.stream(prompts, params):
+        streamed[item["index"]] += item["text"]
+    assert list(streamed.values()) == [o["text"] for o in expected]
+    free = overlapped.scheduler.block_manager.num_free_blocks
+    assert overlapped.is_finished() and free == overlapped.config.num_kvcache_blocks
+
+
+def test_abandoned_stream_and_step_api(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=True)
+    it = llm.stream(_prompts(3, [10, 10]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        next(it)
+    it.close()
+    assert llm.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    prompt = _prompts(4, [6])[0]
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while not llm.is_finished():
+        llm.step()
+    assert seq.completion_token_ids == hf_greedy(qwen3_tied, prompt, 8)
+
+
+def test_needs_one_rank(qwen3_tied):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(qwen3_tied, async_scheduling=True, tensor_parallel_size=2)
