@@ -125,7 +125,7 @@ class LLMEngine:
         the GPU computes. Inputs that step N sampled stay on the device; placeholders stand for them in the
         sequences until N is settled. A sequence that step N ends still runs (uselessly) in N+1."""
         pending, scheduler = self._pending, self.scheduler
-        if pending is not None and scheduler.waiting:  # a prefill comes next: it needs the real tokens
+        if pending is not None and scheduler.can_prefill():  # a prefill comes next: it needs the real tokens
             return self._settle(), -len(pending.seqs)
         seqs, is_prefill = scheduler.schedule()
         if not seqs:

@@ -36,6 +36,14 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def _can_admit(self, seq: Sequence) -> bool:
+        # admitted sequences join running, which max_num_seqs bounds
+        return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
+
+    def can_prefill(self) -> bool:
+        """Whether the next schedule() would be a prefill (the head of waiting is mid-prefill or fits)."""
+        return bool(self.waiting) and (bool(self.waiting[0].block_table) or self._can_admit(self.waiting[0]))
+
     def schedule(self) -> tuple[list[Sequence], bool]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
@@ -43,9 +51,7 @@ class Scheduler:
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
-                if len(self.running) >= self.max_num_seqs:  # admitted sequences join running
-                    break
-                if not self.block_manager.can_allocate(seq):
+                if not self._can_admit(seq):
                     break
                 self.block_manager.allocate(seq)
                 if seq.num_prefix_hit_tokens < 0:
