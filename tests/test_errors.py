@@ -37,6 +37,13 @@ def test_bad_prompts(llm, qwen3_tied, prompts, error, match):
     _still_exact(llm, qwen3_tied)
 
 
+def test_stop_token_ids_outside_the_vocabulary(llm, qwen3_tied):
+    sp = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[5, 400])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    _still_exact(llm, qwen3_tied)
+
+
 def test_sampling_params_list_length(llm, qwen3_tied):
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate([[1, 2], [3, 4]], [GREEDY], use_tqdm=False)

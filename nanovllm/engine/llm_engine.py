@@ -101,6 +101,9 @@ class LLMEngine:
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+        bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return Sequence(self._tokenize(prompt), self.config.kvcache_block_size, sampling_params)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
