@@ -44,6 +44,15 @@ def test_stop_token_ids_outside_the_vocabulary(llm, qwen3_tied):
     _still_exact(llm, qwen3_tied)
 
 
+def test_too_many_logprobs_and_numpy_token_ids(llm, qwen3_tied):
+    import numpy as np
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate([[1, 2, 3]], SamplingParams(logprobs=401), use_tqdm=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = llm.generate([list(np.array(prompt))], GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 8)
+
+
 def test_sampling_params_list_length(llm, qwen3_tied):
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate([[1, 2], [3, 4]], [GREEDY], use_tqdm=False)

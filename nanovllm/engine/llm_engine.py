@@ -3,6 +3,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from numbers import Integral
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -79,8 +80,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as token-id lists")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy and torch integers too
         else:
             raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not token_ids:
@@ -104,6 +106,8 @@ class LLMEngine:
         bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if (sampling_params.logprobs or 0) > self.vocab_size:
+            raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         return Sequence(self._tokenize(prompt), self.config.kvcache_block_size, sampling_params)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
