@@ -93,3 +93,17 @@ def test_abandoned_stream_and_step_api(qwen3_tied):
 def test_needs_one_rank(qwen3_tied):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(qwen3_tied, async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_stop_strings_wait_for_min_tokens(qwen3_tied):
+    """A stop string seen before min_tokens real tokens must not end the request (a placeholder is no token)."""
+    prompts = _prompts(5, [4, 9, 15])
+    base = LLM(qwen3_tied, kvcache_block_size=16).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for min_tokens in (2, 4, 6):
+        params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=o["text"][1:3],
+                                 min_tokens=min_tokens) for o in base]
+        results = [LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=a).generate(prompts, params, use_tqdm=False)
+                   for a in (False, True)]
+        _same(results[1], results[0])
+        assert all(len(o["token_ids"]) >= min_tokens for o in results[1])

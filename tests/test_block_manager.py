@@ -75,7 +75,10 @@ def test_full_prompt_hit_recomputes_last_token():
     _finish_prefill(bm, a)
     b = _seq(range(32))
     bm.allocate(b)
-    assert b.num_cached_tokens == 31  # logits of the last token are still needed
+    # logits of the last token are still needed, and its K/V must not be rewritten into a shared block:
+    # the block holding it is recomputed into a fresh block
+    assert b.num_cached_tokens == 16
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
 
 
 def test_reused_block_drops_its_old_hash():

@@ -153,3 +153,22 @@ def test_cached_prefill_warmup_reads_history_and_leaves_the_engine_exact(qwen3_t
     assert seen and all(seen)  # every layer took the path that reads K/V through block tables
     prompts = _prompts(13, [20, 40])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
+    prompt = _prompts(14, [32])[0]  # exactly two full blocks
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    running = llm.stream([prompt], sp)
+    next(running), next(running)  # the first request is decoding; both its blocks are cached
+    written = []
+    store = llm.model_runner.backend.store_kvcache
+    llm.model_runner.backend.store_kvcache = lambda k, v, kc, vc, slots: (written.extend(slots.tolist()),
+                                                                          store(k, v, kc, vc, slots))
+    bm = llm.scheduler.block_manager
+    seq = llm.add_request(prompt, sp)
+    llm.step()  # the second request's prefill
+    shared = {b for b in seq.block_table if bm.blocks[b].ref_count > 1}
+    assert shared and seq.num_prefix_hit_tokens == 16
+    assert not {slot // 16 for slot in written} & shared
+    running.close()

@@ -93,6 +93,7 @@ def test_prompt_that_never_fits_in_the_cache(qwen3_tied):
     (dict(max_model_len="long"), TypeError, "max_model_len"),
     (dict(enforce_eager=1), TypeError, "enforce_eager"),
     (dict(attention_backend="magic"), ValueError, "torch, triton, flash_attn"),
+    (dict(seed=2**64), ValueError, "seed"),
     # sizes that can never work are reported at start
     (dict(kvcache_block_size=16, num_kvcache_blocks=2, max_model_len=64), ValueError, "fewer than max_model_len"),
 ])

@@ -280,7 +280,8 @@ def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
     (dict(stop=[1]), TypeError), (dict(stop=""), ValueError), (dict(stop_token_ids=[-1]), ValueError),
     (dict(logprobs=-1), ValueError), (dict(repetition_penalty=0.0), ValueError),
     (dict(presence_penalty=3.0), ValueError), (dict(frequency_penalty=-2.5), ValueError),
-    (dict(top_k=1.5), TypeError), (dict(ignore_eos="yes"), TypeError),
+    (dict(top_k=1.5), TypeError), (dict(ignore_eos="yes"), TypeError), (dict(seed=2**64), ValueError),
+    (dict(seed=-2**70), ValueError),
 ])
 def test_bad_sampling_options(kwargs, error):
     with pytest.raises(error):

@@ -75,7 +75,9 @@ class BlockManager:
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             block_id = -1
-            if hit and len(token_ids) == self.block_size:
+            # A hit must leave the last token to compute (its logits are needed), and that token's K/V must not
+            # be written into a block other requests share: so only blocks before the last token can hit.
+            if hit and (i + 1) * self.block_size < seq.num_tokens:
                 prefix_hash = compute_hash(token_ids, prefix_hash)
                 block_id = self.hash_to_block_id.get(prefix_hash, -1)
                 if block_id != -1 and self.blocks[block_id].token_ids != token_ids:
@@ -94,8 +96,6 @@ class BlockManager:
                 seq.num_cached_tokens += self.block_size
                 seq.num_hashed_blocks += 1
             seq.block_table.append(block_id)
-        # At least the last prompt token must be computed to get logits for the next one.
-        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
 
     def deallocate(self, seq: Sequence):
         for block_id in reversed(seq.block_table):

@@ -173,7 +173,8 @@ class LLMEngine:
         if seq.is_finished:
             delta += detok.flush()
         stops = seq.sampling_params.stop_strings
-        if not stops or not delta or seq.num_completion_tokens < seq.sampling_params.min_tokens:
+        # the detokenizer holds exactly the settled completion tokens (async scheduling may have appended more)
+        if not stops or not delta or len(detok.token_ids) < seq.sampling_params.min_tokens:
             return
         window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
         hits = [i for i in (detok.text.find(stop, window_start) for stop in stops) if i >= 0]

@@ -210,7 +210,7 @@ class ModelRunner:
                              vocab_size=vocab)
         if any(sp.needs_filtering for sp in sps):
             if any(sp.top_k > 0 for sp in sps):
-                top_ks = [sp.top_k if sp.top_k > 0 and not sp.greedy else vocab for sp in sps]
+                top_ks = [min(sp.top_k, vocab) if sp.top_k > 0 and not sp.greedy else vocab for sp in sps]
                 st.top_ks, st.max_top_k = self._tensor(top_ks, torch.int64), max(top_ks)
             if any(sp.top_p < 1 for sp in sps):
                 st.top_ps = self._tensor([sp.top_p for sp in sps], torch.float32)

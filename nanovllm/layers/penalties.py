@@ -31,8 +31,10 @@ class PenaltyState:
         self.rows[seq.seq_id] = (row, seq)
         self.seen[row].zero_()
         self.counts[row].zero_()
-        self.seen[row, torch.tensor(seq.token_ids, device=self.device)] = True
-        completion = torch.tensor(seq.completion_token_ids, dtype=torch.long, device=self.device)
+        known = [t for t in seq.token_ids if t >= 0]  # not async scheduling's placeholders
+        self.seen[row, torch.tensor(known, dtype=torch.long, device=self.device)] = True
+        completion = torch.tensor([t for t in seq.completion_token_ids if t >= 0], dtype=torch.long,
+                                  device=self.device)
         self.counts[row].index_add_(0, completion, torch.ones(completion.numel(), device=self.device))
         return row
 

@@ -88,7 +88,7 @@ def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
 
 def race_in_log_space(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(logits / T - log E): the exponential race on softmax(logits / T), one fused pass when compiled."""
-    return (logits.float() / temperatures - noise.log()).argmax(-1)
+    return (logits.float() / temperatures - noise.clamp(min=1e-10).log()).argmax(-1)
 
 
 def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
