@@ -83,7 +83,7 @@ def test_prefix_cache_hit_stays_exact(qwen3_tied):
     out = llm.generate([longer], GREEDY, use_tqdm=False)[0]
     assert out["num_cached_tokens"] == 48  # three full blocks of the earlier prompt
     _check_exact(qwen3_tied, [out], [longer])
-    # the same prompt again: everything but the last token comes from the cache
+    # the same prompt again: every full block before the last token comes from the cache
     again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
     assert again["num_cached_tokens"] == 64
     assert again["token_ids"] == out["token_ids"]
