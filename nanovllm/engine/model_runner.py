@@ -258,6 +258,13 @@ class ModelRunner:
             out.append(d)
         return out
 
+    def _sample(self, logits: torch.Tensor, sampling: SamplingTensors):
+        """Sample (rank 0) and record the new tokens in the penalties' history, all on the device."""
+        tokens, logprobs = self.sampler(logits, sampling, self.generator)
+        if sampling.penalty_rows is not None:
+            self.penalties.update(sampling.penalty_rows, tokens, sampling.sampled_rows)
+        return tokens, logprobs
+
     def launch_decode(self, seqs: list[Sequence], previous: "PendingStep | None") -> "PendingStep":
         """Async scheduling (rank 0, one rank): start a decode step and return without waiting for its tokens.
         A sequence whose input is the token `previous` sampled takes it straight from the device."""
@@ -274,10 +281,7 @@ class ModelRunner:
                     rows = self._tensor(rows, torch.int64)
                     input_ids = torch.where(rows >= 0, previous.tokens[rows.clamp(min=0)], input_ids)
             sampling = self.prepare_sample(seqs, False)
-            logits = self.run_model(input_ids, positions, False)
-            tokens, logprobs = self.sampler(logits, sampling, self.generator)
-            if sampling.penalty_rows is not None:
-                self.penalties.update(sampling.penalty_rows, tokens, sampling.sampled_rows)
+            tokens, logprobs = self._sample(self.run_model(input_ids, positions, False), sampling)
             step = PendingStep(seqs, [len(seq) for seq in seqs], tokens, self._to_host(tokens),
                                tuple(self._to_host(t) if t is not None else None for t in logprobs)
                                if logprobs is not None else None)
@@ -310,9 +314,7 @@ class ModelRunner:
             logits = self.run_model(input_ids, positions, is_prefill)
             if self.rank != 0:
                 return None
-            tokens, logprobs = self.sampler(logits, sampling, self.generator)
-            if sampling.penalty_rows is not None:
-                self.penalties.update(sampling.penalty_rows, tokens, sampling.sampled_rows)
+            tokens, logprobs = self._sample(logits, sampling)
             tokens = tokens.tolist()
             return tokens, (self._logprob_dicts(seqs, tokens, logprobs) if logprobs is not None else None)
         finally:
