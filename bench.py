@@ -30,8 +30,8 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
-    if args.async_scheduling:
-        kwargs["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.config.num_kvcache_blocks} KV blocks")
@@ -88,7 +88,8 @@ class StepProfiler:
                 continue
             n = len(rows)
             wall = sum(r[0] for r in rows) * 1e3
-            model = sum(r[1][0][0].elapsed_time(r[1][0][1]) for r in rows)
+            # under async scheduling a step may only settle the step before it and launch nothing
+            model = sum(r[1][0][0].elapsed_time(r[1][0][1]) for r in rows if r[1])
             sample = sum(r[1][1][0].elapsed_time(r[1][1][1]) for r in rows if len(r[1]) > 1)
             print(f"{'prefill' if is_prefill else 'decode '} steps: {n:5d}, wall {wall / n:7.2f} ms/step = model "
                   f"forward {model / n:7.2f} + sampler {sample / n:5.2f} + host {(wall - model - sample) / n:5.2f} "
@@ -144,7 +145,8 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=0, help="0: the engine default")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true", help="schedule decode step N+1 while step N runs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch decode step N+1 before reading step N's tokens (default: on for one CUDA rank)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|sampling|tp]...   (no argument: all but tp)
-# tp needs 2 GPUs: bash benchmarks/gpu_suite.sh tp   on nvidia-h200-x2.
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|sampling|tp_check|tp_tests|tp_bench]...
+# (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nanovllm-gpu}
@@ -33,10 +33,15 @@ fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py
 fi
-if has tp; then
-  step tp_tests 300 python3 -m pytest -q -m gpu tests/test_tensor_parallel.py -x
-  step bench_8b_tp1 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --profile --no-tqdm
-  step bench_8b_tp2 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --no-tqdm
+if has tp_check; then
+  TAIL=4 step tp_check 300 python3 benchmarks/tp_graph_check.py
+fi
+if has tp_tests; then
+  step tp_tests 270 python3 -m pytest -q -m gpu tests/test_tensor_parallel.py
+fi
+if has tp_bench; then
+  step bench_8b_tp1 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --no-tqdm
+  step bench_8b_tp2 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --no-tqdm
 fi
 printf '\n== summary ==\n'
 printf '%s\n' "${summary[@]}"

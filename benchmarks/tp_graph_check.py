@@ -1,85 +1,90 @@
-"""Does NCCL work inside a decode CUDA graph the way the engine uses it? (2 GPUs; a diagnosis script.)
+"""Does a TP=2 engine start, generate and exit on 2 GPUs, with and without decode CUDA graphs? (diagnosis)
 
-The engine's TP=2 decode with CUDA graphs hung on 2 H200s (docs/benchmarks.md). This replays the same pattern
-without the engine, each variant in fresh processes with a deadline, and prints what passed:
-  raw      our TPGroup (a ProcessGroupNCCL built from a TCPStore), all_reduce captured in a graph, then an
-           eager gather after each replay, as the LM head does
-  default  the same through torch's default group (init_process_group with device_id), as nano-vllm does
+Each variant runs the engine in its own process group: it must print DONE within DEADLINE_S and exit within
+EXIT_S after that. A process still alive gets a native backtrace of every thread of rank 0 (cuda-gdb, when
+there is one), then SIGABRT so that PYTHONFAULTHANDLER prints every rank's Python stack; logs go to $OUT.
+History: TP=2 with graphs once looked hung "in generation"; this script found that generation finished and
+the shutdown hung (docs/benchmarks.md).
 
-    python benchmarks/tp_graph_check.py
+    python benchmarks/tp_graph_check.py [VARIANT...]     # default: every variant
 """
 import os
-import socket
+import shutil
+import signal
+import subprocess
 import sys
-from datetime import timedelta
+import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S, EXIT_S = 120, 20
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENGINE_SCRIPT = r"""
+import logging, os, sys, time
+from nanovllm import LLM, SamplingParams
+logging.basicConfig(format="%(asctime)s %(process)d %(message)s")
+logging.getLogger("nanovllm").setLevel(logging.DEBUG)
+if __name__ == "__main__":
+    t = time.monotonic()
+    llm = LLM(sys.argv[1], load_format="dummy", tensor_parallel_size=2, max_num_seqs=16, max_model_len=1024,
+              enforce_eager=os.environ.get("ENFORCE_EAGER") == "1")
+    print(f"STARTED {time.monotonic() - t:.1f}s", flush=True)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for n in (1, 4, 16, 16):
+        t = time.monotonic()
+        llm.generate([[1 + i] * (20 + 7 * i) for i in range(n)], sp, use_tqdm=False)
+        print(f"GENERATED {n} in {time.monotonic() - t:.2f}s", flush=True)
+    t = time.monotonic()
+    llm.exit()
+    print(f"EXITED {time.monotonic() - t:.2f}s", flush=True)
+    print("DONE", flush=True)
+"""
 
-
-def run(rank: int, variant: str, port: int, result):
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    timeout = timedelta(seconds=60)
-    if variant == "raw":
-        from nanovllm.utils.distributed import TPGroup
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout)
-        group = TPGroup("cuda", store, rank, 2, timeout)
-        all_reduce, gather = group.all_reduce, group.gather
-    else:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                device_id=device, timeout=timeout)
-        all_reduce = dist.all_reduce
-
-        def gather(x):
-            parts = [torch.empty_like(x) for _ in range(2)] if rank == 0 else None
-            dist.gather(x, parts, 0)
-            return parts
-    x = torch.ones(256, 1024, device=device)
-    w = torch.randn(1024, 1024, device=device)
-
-    def forward():
-        y = x @ w
-        for _ in range(4):
-            y = all_reduce(y @ w * 1e-3)
-        return y
-
-    forward()  # eager: connects the communicator
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
-    torch.cuda.synchronize()
-    result[rank] = 1  # captured
-    for _ in range(20):
-        graph.replay()
-        gather(out[:4])
-    torch.cuda.synchronize()
-    result[rank] = 2  # replayed
+VARIANTS = {
+    "graphs": {},
+    "graphs_nocompile": {"NANOVLLM_COMPILE": "0"},
+    "eager": {"ENFORCE_EAGER": "1"},
+}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_variant(name: str, model: str, out_dir: str) -> str:
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", NCCL_DEBUG="WARN", PYTHONUNBUFFERED="1", **VARIANTS[name])
+    log_path = os.path.join(out_dir, f"engine_{name}.log")
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, model], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=env, start_new_session=True)
+
+        def text() -> str:
+            with open(log_path) as f:
+                return f.read()
+        while proc.poll() is None and "DONE" not in text() and time.monotonic() - start < DEADLINE_S:
+            time.sleep(0.5)
+        done_at = time.monotonic()
+        try:
+            proc.wait(EXIT_S)
+        except subprocess.TimeoutExpired:
+            if shutil.which("cuda-gdb"):
+                with open(os.path.join(out_dir, f"engine_{name}.gdb.txt"), "w") as f:
+                    subprocess.call(["timeout", "60", "cuda-gdb", "-p", str(proc.pid), "-batch",
+                                     "-ex", "thread apply all bt 30"], stdout=f, stderr=subprocess.STDOUT)
+            os.killpg(proc.pid, signal.SIGABRT)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    progress = [ln for ln in text().splitlines() if ln.startswith(("STARTED", "GENERATED", "EXITED", "DONE"))]
+    exit_s = time.monotonic() - done_at
+    return f"{name:17s} rc={proc.returncode} process exit {exit_s:.1f}s after DONE | {' | '.join(progress)}"
 
 
 def main():
-    ctx = mp.get_context("spawn")
-    for variant in ("raw", "default"):
-        result, port = ctx.Array("i", 2), free_port()
-        procs = [ctx.Process(target=run, args=(r, variant, port, result), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(90)
-        state = {0: "failed before capture", 1: "captured, HUNG or failed in replay", 2: "ok"}
-        print(f"{variant:8s}", [state[v] for v in result[:]], [p.exitcode for p in procs], flush=True)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    out_dir = os.environ.get("OUT", "/tmp/tp_check")
+    os.makedirs(out_dir, exist_ok=True)
+    model = os.environ.get("MODEL") or os.path.join(ROOT, "benchmarks/configs/qwen3-0.6b")
+    lines = []
+    for name in sys.argv[1:] or VARIANTS:
+        lines.append(run_variant(name, model, out_dir))
+        print(lines[-1], flush=True)
+    print("\n== summary ==\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

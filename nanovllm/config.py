@@ -26,7 +26,8 @@ class Config:
     seed: int = 0
     cpu_kvcache_gb: float = 2.0  # KV cache budget on CPU when num_kvcache_blocks is -1
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn"
-    async_scheduling: bool = False  # schedule decode step N+1 while step N runs (one rank only)
+    # Launch decode step N+1 before step N's tokens are read back. None: on for one CUDA rank, off otherwise.
+    async_scheduling: bool | None = None
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
@@ -70,6 +71,8 @@ class Config:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling works with tensor_parallel_size=1 only; turn one of them off")
+        if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
@@ -96,6 +99,10 @@ class Config:
             if not f.init or f.name == "model":
                 continue
             value, expected = getattr(self, f.name), f.type
+            if expected == bool | None:
+                if value is None:
+                    continue
+                expected = bool
             ok = {int: isinstance(value, int) and not isinstance(value, bool),
                   float: isinstance(value, (int, float)) and not isinstance(value, bool),
                   bool: isinstance(value, bool),

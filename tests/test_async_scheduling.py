@@ -3,6 +3,7 @@ Every output must equal the plain loop's (and transformers' for greedy)."""
 import random
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.tiny_models import hf_greedy
@@ -93,6 +94,16 @@ def test_abandoned_stream_and_step_api(qwen3_tied):
 def test_needs_one_rank(qwen3_tied):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(qwen3_tied, async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_default_is_on_for_one_cuda_rank_only(qwen3_tied):
+    """Left unset, it is on where it overlaps something: one rank on CUDA. CPU and TP run the plain loop."""
+    from nanovllm.config import Config
+    assert Config(qwen3_tied, device="cpu").async_scheduling is False
+    assert Config(qwen3_tied, device="cpu", async_scheduling=True).async_scheduling is True
+    assert Config(qwen3_tied, device="cpu", tensor_parallel_size=2).async_scheduling is False
+    if torch.cuda.is_available():
+        assert Config(qwen3_tied, device="cuda").async_scheduling is True
 
 
 def test_stop_strings_wait_for_min_tokens(qwen3_tied):

@@ -268,6 +268,55 @@ def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
     assert "leaked" not in done.stderr  # multiprocessing's resource tracker found no segment left
 
 
+# ---- NCCL teardown order (CPU stand-ins for what only a GPU can show) ------------------------------
+
+class _BlockingPG:
+    """A communicator whose shutdown blocks, as NCCL's does while a CUDA graph still holds it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def shutdown(self):
+        self.release.wait(30)
+
+    abort = shutdown
+
+
+def test_nccl_teardown_never_blocks_the_caller(monkeypatch):
+    import time
+
+    from nanovllm.utils import distributed
+    from nanovllm.utils.distributed import TPGroup
+    monkeypatch.setattr(distributed, "TEARDOWN_S", 0.5)
+    for healthy in (True, False):
+        group = TPGroup.__new__(TPGroup)
+        group.is_nccl, group.pg = True, _BlockingPG()
+        pg, start = group.pg, time.monotonic()
+        group.close(healthy)
+        assert time.monotonic() - start < 5  # TEARDOWN_S, not the 30 s the communicator would take
+        assert group.pg is None
+        pg.release.set()
+
+
+def test_rank0_destroys_its_graphs_before_the_group():
+    """NCCL's shutdown waits for every graph that captured one of its collectives: graphs go first."""
+    from nanovllm.engine.model_runner import ModelRunner
+    order = []
+
+    class Graphs:
+        def release(self):
+            order.append("graphs")
+
+    class Workers:
+        def shutdown(self):
+            order.append("workers and group")
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graphs, runner.workers = Graphs(), Workers()
+    runner.exit()
+    assert order == ["graphs", "workers and group"] and runner.graphs is None
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

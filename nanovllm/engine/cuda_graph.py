@@ -50,6 +50,13 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 reset_context()
 
+    def release(self):
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        torch.cuda.synchronize()
+
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 

@@ -1,4 +1,5 @@
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -107,11 +108,9 @@ class ModelRunner:
         cuda_memory.warmup_cached_prefill(self)
         if cfg.enforce_eager:
             return None
-        # Decode graphs with NCCL collectives inside hung on 2 H200s (2026-11-29, unexplained): TP decodes eagerly.
-        if not self.backend.supports_cuda_graphs or self.world_size > 1:
+        if not self.backend.supports_cuda_graphs:
             if self.rank == 0:
-                logger.warning("CUDA graphs are off (attention backend %s, tensor_parallel_size %d): decode runs "
-                               "eagerly", self.backend.name, self.world_size)
+                logger.warning("CUDA graphs are off (attention backend %s): decode runs eagerly", self.backend.name)
             return None
         from nanovllm.engine.cuda_graph import DecodeGraphs
         return DecodeGraphs(self)
@@ -122,7 +121,17 @@ class ModelRunner:
             return getattr(self, method)(*args)
         return self.workers.call(self, method, *args)
 
+    def release_graphs(self):
+        """Destroy the decode graphs. With TP this must come before the NCCL group is torn down: NCCL keeps a
+        reference for every graph that captured one of its collectives, and tearing down waits for them."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def exit(self):
+        start = time.monotonic()
+        self.release_graphs()
+        logger.debug("rank 0: graphs released in %.2fs", time.monotonic() - start)
         if self.workers is not None:
             self.workers.shutdown()
 

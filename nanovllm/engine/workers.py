@@ -43,6 +43,7 @@ def start_model_runner(config: Config) -> ModelRunner:
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, 0)
     workers = Workers(config)
+    runner = None
     try:
         runner = ModelRunner(config, 0, workers.group, workers)
         workers.wait_for("ready")
@@ -51,6 +52,8 @@ def start_model_runner(config: Config) -> ModelRunner:
         # A user error (a bad checkpoint, a KV cache too small) fails every rank alike: raise rank 0's.
         # Anything else may be a collective broken by a worker's failure: raise the worker's report.
         worker_failed = not isinstance(e, (ValueError, TypeError, WorkerError)) and workers.failed_soon(e)
+        if runner is not None:
+            runner.release_graphs()
         workers.shutdown()
         if worker_failed:
             raise workers.error() from e
@@ -114,7 +117,8 @@ class Workers:
             for rank in range(1, n):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}", daemon=True,
-                                      args=(config, rank, self.store.port, self.channel.ends[rank - 1], send_end))
+                                      args=(config, rank, self.store.port, self.channel.ends[rank - 1], send_end,
+                                            logger.getEffectiveLevel()))
                 process.start()
                 send_end.close()
                 self.processes.append(process)
@@ -226,7 +230,7 @@ class Workers:
 
     # -- shutting down --
     def shutdown(self):
-        """Stop the workers (politely when healthy), then free the group, the channel and the store.
+        """Stop the workers (politely when healthy) and free the group, the channel and the store.
         Idempotent; never leaves a process or a shared-memory segment behind."""
         if self._closed:
             return
@@ -238,9 +242,19 @@ class Workers:
                 self.channel.send("exit", timeout=EXIT_TIMEOUT_S)
             except Exception:
                 healthy = False
+        start = time.monotonic()
+        # Close rank 0's side while the workers close theirs: NCCL's shutdown waits for every rank.
+        if self.group is not None:
+            try:
+                self.group.close(healthy)
+            except Exception:
+                logger.exception("closing the tensor-parallel group failed")
+            self.group = None
+            logger.debug("tensor-parallel shutdown: group closed after %.2fs", time.monotonic() - start)
         deadline = time.monotonic() + (EXIT_TIMEOUT_S if healthy else 0)
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
+        logger.debug("tensor-parallel shutdown: workers left after %.2fs", time.monotonic() - start)
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -255,12 +269,6 @@ class Workers:
             self._monitor.join()
         for conn in self._conns:
             conn.close()
-        if self.group is not None:
-            try:
-                self.group.close(healthy)
-            except Exception:
-                logger.exception("closing the tensor-parallel group failed")
-            self.group = None
         if self.channel is not None:
             self.channel.close()
         self.store = None
@@ -268,13 +276,18 @@ class Workers:
 
 # ---- a worker's side ------------------------------------------------------------------------------
 
-def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: connection.Connection):
+def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: connection.Connection,
+                log_level: int = logging.WARNING):
     """Entry point of rank `rank` (1..N-1): build this rank's shard, then run what rank 0 sends until "exit".
 
     Any error is reported to rank 0 with its traceback, and the process exits at once: its closed
     connections make rank 0's pending collectives fail instead of waiting.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it then shuts us down
+    handler = logging.StreamHandler()  # to the stderr inherited from rank 0, at rank 0's level
+    handler.setFormatter(logging.Formatter(f"nanovllm rank {rank}: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(log_level)
     try:
         if config.device == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
@@ -296,6 +309,9 @@ def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: con
             if method == "exit":
                 break
             getattr(runner, method)(*args)
+        t = time.monotonic()
+        runner.release_graphs()  # before the group: see ModelRunner.release_graphs
+        logger.debug("graphs released in %.2fs", time.monotonic() - t)
     except SystemExit:
         os._exit(0)
     except BaseException:
@@ -304,6 +320,8 @@ def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: con
         except Exception:
             pass
         os._exit(1)  # skip cleanup that could block on a broken group
+    t = time.monotonic()
     channel.close()
     group.close()
     conn.close()
+    logger.debug("group closed in %.2fs", time.monotonic() - t)

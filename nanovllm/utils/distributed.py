@@ -4,12 +4,36 @@ Each engine owns its own group, never torch's default one (`init_process_group`)
 engines, each with its own workers, can live in one process. Layers take the group they are built
 for (inside `building_for(group)`) and use it in forward; outside that scope they build unsharded.
 """
-from collections.abc import Iterator
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("nanovllm")
+
+TEARDOWN_S = 5.0  # the longest rank 0 waits for NCCL to shut down or abort a communicator
+
+
+def _bounded(call: Callable[[], None], what: str) -> bool:
+    """Run an NCCL teardown call in a daemon thread and wait at most TEARDOWN_S. NCCL can block in these
+    (a peer that is gone, a CUDA graph still holding the communicator); a shutdown must never hang."""
+    def run():
+        try:
+            call()
+        except Exception:
+            logger.exception("NCCL %s failed", what)
+    thread = threading.Thread(target=run, name=f"nanovllm-nccl-{what}", daemon=True)
+    thread.start()
+    thread.join(TEARDOWN_S)
+    if thread.is_alive():
+        logger.warning("NCCL %s did not finish within %.0fs; leaving it to finish in the background", what,
+                       TEARDOWN_S)
+        return False
+    return True
 
 
 class TPGroup:
@@ -42,12 +66,13 @@ class TPGroup:
     def abort(self):
         """Make collectives that wait on a dead rank fail. Gloo notices a closed connection by
         itself; NCCL kernels would wait forever, so abort its communicators."""
-        if self.is_nccl:
-            self.pg.abort()
+        if self.is_nccl and self.pg is not None:
+            _bounded(self.pg.abort, "abort")
 
     def close(self, healthy: bool = True):
-        if self.is_nccl:
-            self.pg.shutdown() if healthy else self.pg.abort()
+        """Healthy: every rank closes after its CUDA graphs are gone (ModelRunner.release_graphs)."""
+        if self.is_nccl and self.pg is not None:
+            _bounded(self.pg.shutdown if healthy else self.pg.abort, "shutdown" if healthy else "abort")
         self.pg = None
 
 
