@@ -141,16 +141,17 @@ def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_cached_prefill_warmup_reads_history_and_leaves_the_engine_exact(qwen3_tied, block_size):
-    """The CUDA start-up's second warm-up (a prefill over cached history) is device-independent: run it here."""
+def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_tied, block_size):
+    """The CUDA start-up's second warm-up (every query tile size, with and without cached history) is
+    device-independent: run it here."""
     from nanovllm.engine import cuda_memory
     llm = LLM(qwen3_tied, kvcache_block_size=block_size)
-    runner, seen = llm.model_runner, []
+    runner, seen = llm.model_runner, set()
     prefill = runner.backend.prefill
-    runner.backend.prefill = lambda *a: (seen.append(a[5].block_tables is not None), prefill(*a))[1]
-    cuda_memory.warmup_cached_prefill(runner)
+    runner.backend.prefill = lambda *a: (seen.add((a[5].max_seqlen_q, a[5].block_tables is not None)), prefill(*a))[1]
+    cuda_memory.warmup_prefill_variants(runner)
     runner.backend.prefill = prefill
-    assert seen and all(seen)  # every layer took the path that reads K/V through block tables
+    assert seen == {(n, paged) for n in cuda_memory.PREFILL_QUERY_LENS for paged in (False, True)}
     prompts = _prompts(13, [20, 40])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 

@@ -29,17 +29,24 @@ def warmup(runner):
     torch.cuda.empty_cache()
 
 
-def warmup_cached_prefill(runner):
-    """One small prefill that reads history from the KV cache (a later chunk, or a prefix hit).
+# The Triton prefill kernel is compiled per query tile (BLOCK_M 16..128, from the batch's longest query) and per
+# path (packed K/V, or K/V read through block tables). Each variant JITs once per machine; warming them all up at
+# start keeps that out of the first real steps (a first bench run paid about 0.9 s for one, mid-run).
+PREFILL_QUERY_LENS = (16, 32, 64, 128)
 
-    That path uses other kernel variants than the first warm-up; compiling them here keeps their JIT time
-    out of the first real steps. It writes into blocks 0-1, which hold nothing yet."""
-    seq = Sequence([0] * 32, runner.block_size)
-    if runner.config.num_kvcache_blocks < seq.num_blocks:
-        return
-    seq.block_table = list(range(seq.num_blocks))
-    seq.num_cached_tokens, seq.num_scheduled_tokens = 16, 16
-    runner.run([seq], True)
+
+def warmup_prefill_variants(runner):
+    """Small prefills at every query tile size, without history and over cached history (blocks from 0 up,
+    which hold nothing yet)."""
+    for q_len in PREFILL_QUERY_LENS:
+        fresh = Sequence([0] * q_len, runner.block_size)  # owns no cache: nothing is written
+        fresh.num_scheduled_tokens = q_len
+        runner.run([fresh], True)
+        history = Sequence([0] * (16 + q_len), runner.block_size)
+        if runner.config.num_kvcache_blocks >= history.num_blocks:
+            history.block_table = list(range(history.num_blocks))
+            history.num_cached_tokens, history.num_scheduled_tokens = 16, q_len
+            runner.run([history], True)
     if runner.is_cuda:
         torch.cuda.synchronize()
 

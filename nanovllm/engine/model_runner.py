@@ -101,11 +101,11 @@ class ModelRunner:
         return num_blocks
 
     def _capture_graphs(self):
-        """Decode CUDA graphs, after a warm-up of the cached-history prefill (its kernels JIT here, not later)."""
+        """Decode CUDA graphs, after a warm-up of every prefill kernel variant (they JIT here, not mid-run)."""
         cfg = self.config
         if not self.is_cuda:
             return None
-        cuda_memory.warmup_cached_prefill(self)
+        cuda_memory.warmup_prefill_variants(self)
         if cfg.enforce_eager:
             return None
         if not self.backend.supports_cuda_graphs:
