@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 import torch
@@ -274,9 +275,10 @@ class _BlockingPG:
     """A communicator whose shutdown blocks, as NCCL's does while a CUDA graph still holds it."""
 
     def __init__(self):
-        self.release = threading.Event()
+        self.release, self.calls = threading.Event(), 0
 
     def shutdown(self):
+        self.calls += 1
         self.release.wait(30)
 
     abort = shutdown
@@ -289,12 +291,13 @@ def test_nccl_teardown_never_blocks_the_caller(monkeypatch):
     from nanovllm.utils.distributed import TPGroup
     monkeypatch.setattr(distributed, "TEARDOWN_S", 0.5)
     for healthy in (True, False):
-        group = TPGroup.__new__(TPGroup)
-        group.is_nccl, group.pg = True, _BlockingPG()
+        group = TPGroup("cpu", torch.distributed.HashStore(), 0, 1, timedelta(seconds=5))
+        group.is_nccl, group.pg = True, _BlockingPG()  # as on CUDA, with a communicator that blocks
         pg, start = group.pg, time.monotonic()
-        group.close(healthy)
-        assert time.monotonic() - start < 5  # TEARDOWN_S, not the 30 s the communicator would take
-        assert group.pg is None
+        group.abort()  # the monitor thread, on a worker's death ...
+        group.close(healthy)  # ... then the main thread: the communicator is not torn down twice
+        assert time.monotonic() - start < 2  # one TEARDOWN_S, not the 30 s the communicator would take
+        assert group.pg is None and pg.calls == 1
         pg.release.set()
 
 

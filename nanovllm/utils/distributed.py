@@ -42,6 +42,7 @@ class TPGroup:
 
     def __init__(self, device: str, store: dist.Store, rank: int, size: int, timeout: timedelta):
         self.rank, self.size, self.is_nccl = rank, size, device == "cuda"
+        self._torn_down = False
         if self.is_nccl:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -66,16 +67,24 @@ class TPGroup:
     def abort(self):
         """Make collectives that wait on a dead rank fail. Gloo notices a closed connection by
         itself; NCCL kernels would wait forever, so abort its communicators."""
-        if self.is_nccl and self.pg is not None:
-            _bounded(self.pg.abort, "abort")
+        self._tear_down(healthy=False)
 
     def close(self, healthy: bool = True):
         """Healthy: every rank closes after its CUDA graphs are gone (ModelRunner.release_graphs)."""
-        if self.is_nccl and self.pg is not None:
-            _bounded(self.pg.shutdown if healthy else self.pg.abort, "shutdown" if healthy else "abort")
+        self._tear_down(healthy)
         self.pg = None
 
+    def _tear_down(self, healthy: bool):
+        """Shut the NCCL communicator down (or abort it) once: the monitor thread may abort it while the
+        main thread closes it, and two teardowns of one communicator must never run at once."""
+        with _teardown_lock:
+            pg = self.pg if self.is_nccl and not self._torn_down else None
+            self._torn_down = True
+        if pg is not None:
+            _bounded(pg.shutdown if healthy else pg.abort, "shutdown" if healthy else "abort")
 
+
+_teardown_lock = threading.Lock()
 _building: TPGroup | None = None
 
 
