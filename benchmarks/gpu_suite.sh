@@ -26,8 +26,8 @@ if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
 fi
 if has bench; then
-  step bench 240 python3 bench.py --profile --no-tqdm
-  step bench_async 240 python3 bench.py --async-scheduling --profile --no-tqdm
+  step bench 240 python3 bench.py --profile --no-tqdm  # async scheduling, the default on one GPU
+  step bench_plain 240 python3 bench.py --no-async-scheduling --profile --no-tqdm
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
 fi
 if has sampling; then

@@ -96,14 +96,16 @@ def test_needs_one_rank(qwen3_tied):
         LLM(qwen3_tied, async_scheduling=True, tensor_parallel_size=2)
 
 
-def test_default_is_on_for_one_cuda_rank_only(qwen3_tied):
+def test_default_is_on_for_one_cuda_rank_only(qwen3_tied, monkeypatch):
     """Left unset, it is on where it overlaps something: one rank on CUDA. CPU and TP run the plain loop."""
     from nanovllm.config import Config
     assert Config(qwen3_tied, device="cpu").async_scheduling is False
     assert Config(qwen3_tied, device="cpu", async_scheduling=True).async_scheduling is True
     assert Config(qwen3_tied, device="cpu", tensor_parallel_size=2).async_scheduling is False
-    if torch.cuda.is_available():
-        assert Config(qwen3_tied, device="cuda").async_scheduling is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only reads it
+    assert Config(qwen3_tied, device="cuda").async_scheduling is True
+    assert Config(qwen3_tied, device="cuda", tensor_parallel_size=2).async_scheduling is False
+    assert Config(qwen3_tied, device="cuda", async_scheduling=False).async_scheduling is False
 
 
 def test_stop_strings_wait_for_min_tokens(qwen3_tied):

@@ -207,8 +207,13 @@ def test_a_worker_that_raises_surfaces_in_rank_0(qwen3_tied):
         assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
         # Only the worker runs this: a sequence with no KV blocks makes its prepare_decode raise.
         workers.channel.send("run", [Sequence([1, 2, 3], 16)], False)
+        # after a failure rank 0 aborts the group, then destroys its CUDA graphs so that the abort can finish
+        events, shutdown, release = [], workers.shutdown, llm.model_runner.release_graphs
+        workers.shutdown = lambda: (events.append("shutdown"), shutdown())[1]
+        llm.model_runner.release_graphs = lambda: (events.append("graphs"), release())[1]
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 raised.*IndexError"):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert events[:2] == ["shutdown", "graphs"]
         _assert_nothing_left(workers)  # the failure shut the workers down
         with pytest.raises(WorkerError, match="the engine was shut down after a worker failure"):
             llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
@@ -296,9 +301,42 @@ def test_nccl_teardown_never_blocks_the_caller(monkeypatch):
         pg, start = group.pg, time.monotonic()
         group.abort()  # the monitor thread, on a worker's death ...
         group.close(healthy)  # ... then the main thread: the communicator is not torn down twice
-        assert time.monotonic() - start < 2  # one TEARDOWN_S, not the 30 s the communicator would take
+        assert time.monotonic() - start < 2  # at most one TEARDOWN_S, not the 30 s the communicator would take
         assert group.pg is None and pg.calls == 1
         pg.release.set()
+
+
+def test_no_collective_enters_an_aborted_communicator():
+    """torch's NCCL abort holds the group's lock until NCCL is done, which waits for the CUDA graphs: a
+    collective issued after the abort must raise, not block on that lock."""
+    from nanovllm.utils.distributed import TPGroup
+    group = TPGroup("cpu", torch.distributed.HashStore(), 0, 1, timedelta(seconds=5))
+    x = torch.ones(3)
+    assert group.all_reduce(x).tolist() == [1, 1, 1]  # a working group (gloo, one rank)
+    group.is_nccl, group.pg = True, _BlockingPG()  # as on CUDA, with an abort that blocks
+    pg = group.pg
+    group.abort()  # starts the abort in the background and returns at once
+    with pytest.raises(RuntimeError, match="aborted"):
+        group.all_reduce(x)
+    with pytest.raises(RuntimeError, match="aborted"):
+        group.gather(x)
+    pg.release.set()
+    assert pg.calls == 1
+
+
+def test_rank0_closes_its_group_before_waiting_for_the_workers(qwen3_tied):
+    """A worker's NCCL shutdown waits for rank 0's: rank 0 must not wait for the workers to exit first."""
+    with _deadline(60):
+        llm = LLM(qwen3_tied, **TP_OPTIONS)
+        workers, events = llm.model_runner.workers, []
+        close = workers.group.close
+        workers.group.close = lambda healthy: (events.append(("close", healthy)), close(healthy))[1]
+        for process in workers.processes:
+            join = process.join
+            process.join = lambda timeout=None, join=join: (events.append("join"), join(timeout))[1]
+        llm.exit()
+    assert events[0] == ("close", True) and "join" in events
+    _assert_nothing_left(workers)
 
 
 def test_rank0_destroys_its_graphs_before_the_group():
@@ -351,15 +389,21 @@ def test_cuda_two_engines_and_a_dying_worker(qwen3_tied, qwen3_untied_mha):
             assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
                 [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
         # NCCL does not notice a dead peer: rank 0's monitor must abort the group.
-        worker = a.model_runner.workers.processes[0]
-        killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
-        killer.start()
-        with _deadline(120), pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly"):
-            a.generate(_prompts(10, [10] * 8), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
-                       use_tqdm=False)
-        killer.join()
+        _kill_a_worker_mid_generate(a, delay=1.0)
         assert _tokens(b.generate(prompts, GREEDY, use_tqdm=False)) == \
             [hf_greedy(qwen3_untied_mha, p, GREEDY.max_tokens) for p in prompts]
+        # The same with decode graphs alive: NCCL's abort finishes only once rank 0 has destroyed them.
+        _kill_a_worker_mid_generate(b, delay=0.5)
+
+
+def _kill_a_worker_mid_generate(llm, delay: float):
+    worker = llm.model_runner.workers.processes[0]
+    killer = threading.Timer(delay, os.kill, (worker.pid, signal.SIGKILL))
+    killer.start()
+    with _deadline(120), pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly"):
+        llm.generate(_prompts(10, [10] * 8), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+                     use_tqdm=False)
+    killer.join()
 
 
 @pytest.mark.gpu

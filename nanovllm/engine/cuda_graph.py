@@ -37,18 +37,23 @@ class DecodeGraphs:
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
-        with torch.inference_mode():
-            for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
-                set_context(False, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
-                            block_tables=self.block_tables[:bs])
-                self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # compile/JIT outside capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
-                pool = pool or graph.pool()
-                self.graphs[bs] = graph
-                torch.cuda.synchronize()
-                reset_context()
+        try:
+            with torch.inference_mode():
+                for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
+                    set_context(False, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
+                                block_tables=self.block_tables[:bs])
+                    self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # compile/JIT before capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool):
+                        self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+                    pool = pool or graph.pool()
+                    self.graphs[bs] = graph
+                    torch.cuda.synchronize()
+        except BaseException:
+            self.release()  # graphs captured so far would keep a TP group's NCCL communicator from closing
+            raise
+        finally:
+            reset_context()
 
     def release(self):
         torch.cuda.synchronize()

@@ -52,9 +52,11 @@ def start_model_runner(config: Config) -> ModelRunner:
         # A user error (a bad checkpoint, a KV cache too small) fails every rank alike: raise rank 0's.
         # Anything else may be a collective broken by a worker's failure: raise the worker's report.
         worker_failed = not isinstance(e, (ValueError, TypeError, WorkerError)) and workers.failed_soon(e)
-        if runner is not None:
-            runner.release_graphs()
-        workers.shutdown()
+        try:
+            if runner is not None:
+                runner.release_graphs()
+        finally:
+            workers.shutdown()
         if worker_failed:
             raise workers.error() from e
         raise
@@ -169,9 +171,10 @@ class Workers:
             self.failure = text
             self._cond.notify_all()
         logger.error("%s", text)
-        if self.group is not None:
+        group = self.group  # shutdown may clear it meanwhile
+        if group is not None:
             try:
-                self.group.abort()  # free rank 0 from a collective that can no longer complete
+                group.abort()  # free rank 0 from a collective that can no longer complete
             except Exception:
                 logger.exception("aborting the tensor-parallel group failed")
 
@@ -212,7 +215,7 @@ class Workers:
             self.channel.send(method, *args, check=self.check)
             result = getattr(runner, method)(*args)
         except WorkerError:
-            self.shutdown()
+            self._shutdown_after_failure(runner)
             raise
         except BaseException as e:
             # Ranks are now out of step: a failed collective usually means a worker died, whose report
@@ -221,12 +224,23 @@ class Workers:
             with self._cond:
                 if self.failure is None:
                     self.failure = f"an error on rank 0 during a tensor-parallel step ({type(e).__name__}: {e})"
-            self.shutdown()
+            self._shutdown_after_failure(runner)
             if worker_failed:
                 raise self.error() from e
             raise
-        self.check()  # NCCL: an aborted group can let the step finish with garbage
+        if self.failure is not None:  # NCCL: an aborted group can let the step finish with garbage
+            self._shutdown_after_failure(runner)
+            raise self.error()
         return result
+
+    def _shutdown_after_failure(self, runner: ModelRunner):
+        """Abort the group, then destroy rank 0's decode graphs: NCCL's abort finishes only once no graph
+        holds the communicator (its kernels are released at once; the rest waits in a daemon thread)."""
+        self.shutdown()
+        try:
+            runner.release_graphs()
+        except Exception:
+            logger.exception("destroying the decode graphs after a tensor-parallel failure failed")
 
     # -- shutting down --
     def shutdown(self):

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 logger = logging.getLogger("nanovllm")
 
-TEARDOWN_S = 5.0  # the longest rank 0 waits for NCCL to shut down or abort a communicator
+TEARDOWN_S = 5.0  # the longest rank 0 waits for NCCL to shut a communicator down
 
 
-def _bounded(call: Callable[[], None], what: str) -> bool:
-    """Run an NCCL teardown call in a daemon thread and wait at most TEARDOWN_S. NCCL can block in these
+def _in_background(call: Callable[[], None], what: str, wait_s: float):
+    """Run an NCCL teardown call in a daemon thread and wait at most `wait_s` for it. NCCL can block in these
     (a peer that is gone, a CUDA graph still holding the communicator); a shutdown must never hang."""
     def run():
         try:
@@ -28,12 +28,9 @@ def _bounded(call: Callable[[], None], what: str) -> bool:
             logger.exception("NCCL %s failed", what)
     thread = threading.Thread(target=run, name=f"nanovllm-nccl-{what}", daemon=True)
     thread.start()
-    thread.join(TEARDOWN_S)
-    if thread.is_alive():
-        logger.warning("NCCL %s did not finish within %.0fs; leaving it to finish in the background", what,
-                       TEARDOWN_S)
-        return False
-    return True
+    thread.join(wait_s)
+    if wait_s and thread.is_alive():
+        logger.warning("NCCL %s did not finish within %.0fs; leaving it to finish in the background", what, wait_s)
 
 
 class TPGroup:
@@ -43,6 +40,10 @@ class TPGroup:
     def __init__(self, device: str, store: dist.Store, rank: int, size: int, timeout: timedelta):
         self.rank, self.size, self.is_nccl = rank, size, device == "cuda"
         self._torn_down = False
+        # Held while a collective is issued and while teardown starts: once an abort has begun, no collective
+        # may enter the communicator (torch's abort holds the group's own lock until NCCL is done, which is
+        # never while a CUDA graph still holds the communicator), so later ones raise instead of blocking.
+        self._lock = threading.Lock()
         if self.is_nccl:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -50,14 +51,21 @@ class TPGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)  # connects every pair now
 
+    def _issue(self, collective: Callable[[], dist.Work]) -> dist.Work:
+        with self._lock:
+            if self._torn_down:
+                raise RuntimeError("the tensor-parallel group was aborted or closed (a rank failed or the engine "
+                                   "was shut down)")
+            return collective()
+
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        self.pg.allreduce([x], op).wait()
+        self._issue(lambda: self.pg.allreduce([x], op)).wait()
         return x
 
     def gather(self, x: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
         """Every rank's `x` on rank `dst` (None elsewhere)."""
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else []
-        self.pg.gather(parts, x, dst).wait()
+        self._issue(lambda: self.pg.gather(parts, x, dst)).wait()
         return parts if self.rank == dst else None
 
     def min(self, value: int, device: torch.device) -> int:
@@ -77,14 +85,17 @@ class TPGroup:
     def _tear_down(self, healthy: bool):
         """Shut the NCCL communicator down (or abort it) once: the monitor thread may abort it while the
         main thread closes it, and two teardowns of one communicator must never run at once."""
-        with _teardown_lock:
+        with self._lock:
             pg = self.pg if self.is_nccl and not self._torn_down else None
             self._torn_down = True
-        if pg is not None:
-            _bounded(pg.shutdown if healthy else pg.abort, "shutdown" if healthy else "abort")
+        if pg is None:
+            return
+        if healthy:
+            _in_background(pg.shutdown, "shutdown", TEARDOWN_S)
+        else:  # its kernels stop at once; the rest waits until the caller has destroyed its graphs
+            _in_background(pg.abort, "abort", 0)
 
 
-_teardown_lock = threading.Lock()
 _building: TPGroup | None = None
 
 

@@ -21,7 +21,9 @@ MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it sav
 MAX_SPLITS = 64
 
 
-@triton.jit
+# the block-table width changes from batch to batch: one compiled kernel for every width, not one per
+# Triton specialization of it (1, a multiple of 16, other)
+@triton.jit(do_not_specialize=["stride_table"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                    context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,

@@ -45,7 +45,9 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, tab
     return acc, m_new, l_i
 
 
-@triton.jit
+# the block-table width changes from batch to batch: one compiled kernel for every width, not one per
+# Triton specialization of it (1, a multiple of 16, other)
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
