@@ -1,7 +1,5 @@
 import atexit
-import json
 import logging
-import os
 from collections.abc import Iterator
 from numbers import Integral
 from time import perf_counter
@@ -14,7 +12,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.workers import start_model_runner
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.loader import load_tokenizer
+from nanovllm.utils.loader import load_generation_config, load_tokenizer
 
 logger = logging.getLogger("nanovllm")
 
@@ -31,11 +29,7 @@ def _nothing_to_schedule() -> RuntimeError:
 
 def default_sampling_params(model: str) -> SamplingParams:
     """SamplingParams from the checkpoint's generation_config.json where it sets them."""
-    path = os.path.join(model, "generation_config.json")
-    if not os.path.isfile(path):
-        return SamplingParams()
-    with open(path) as f:
-        gen = json.load(f)
+    gen = load_generation_config(model)
     return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
 
 

@@ -35,14 +35,19 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
 
 
+def load_generation_config(model: str) -> dict:
+    """The checkpoint's generation_config.json ({} when it has none)."""
+    path = os.path.join(resolve_checkpoint(model), "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def load_eos_token_ids(model: str, hf_config) -> list[int]:
     """Every EOS id named by generation_config.json or config.json (either may hold a list)."""
     ids: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    path = os.path.join(resolve_checkpoint(model), "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            sources.insert(0, json.load(f).get("eos_token_id"))
+    sources = [load_generation_config(model).get("eos_token_id"), getattr(hf_config, "eos_token_id", None)]
     for value in sources:
         for i in value if isinstance(value, list) else [value]:
             if isinstance(i, int) and i not in ids:
