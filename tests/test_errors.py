@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -120,3 +120,11 @@ def test_shutdown(qwen3_tied):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_head_size_the_triton_backend_cannot_run(tmp_path):
+    """Checked once, when the engine starts, with what to change."""
+    path = make_checkpoint(tmp_path, "qwen3", head_dim=24)
+    with pytest.raises(ValueError, match="head_dim a power of two.*got 24.*attention_backend='torch'"):
+        LLM(path, device="cpu", attention_backend="triton")
+    LLM(path, device="cpu", attention_backend="torch").exit()  # the same model runs on the torch backend

@@ -66,6 +66,7 @@ class ModelRunner:
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device)
+        self.backend.check_head_dim(self.attn_layers[0].head_dim)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()

@@ -12,6 +12,9 @@ class AttentionBackend:
     name = "base"
     supports_cuda_graphs = True  # False: decode runs eagerly (the backend syncs with the host)
 
+    def check_head_dim(self, head_dim: int):
+        """Raise ValueError, once at start-up, for a head size this backend cannot run."""
+
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor):
         """Write token t's K/V to slot slot_mapping[t] (block * block_size + offset); skip slot -1."""
