@@ -99,10 +99,10 @@ class Config:
             if not f.init or f.name == "model":
                 continue
             value, expected = getattr(self, f.name), f.type
-            if expected == bool | None:
-                if value is None:
-                    continue
-                expected = bool
+            if expected == bool | None:  # None: decided in __post_init__
+                if not (value is None or isinstance(value, bool)):
+                    raise TypeError(f"{f.name} must be True, False or None (automatic), got {value!r}")
+                continue
             ok = {int: isinstance(value, int) and not isinstance(value, bool),
                   float: isinstance(value, (int, float)) and not isinstance(value, bool),
                   bool: isinstance(value, bool),

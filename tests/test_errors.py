@@ -92,6 +92,7 @@ def test_prompt_that_never_fits_in_the_cache(qwen3_tied):
     (dict(load_format="pickle"), ValueError, "load_format"),
     (dict(max_model_len="long"), TypeError, "max_model_len"),
     (dict(enforce_eager=1), TypeError, "enforce_eager"),
+    (dict(async_scheduling="yes"), TypeError, "async_scheduling must be True, False or None"),
     (dict(attention_backend="magic"), ValueError, "torch, triton, flash_attn"),
     (dict(seed=2**64), ValueError, "seed"),
     # sizes that can never work are reported at start
