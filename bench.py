@@ -34,7 +34,7 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["async_scheduling"] = args.async_scheduling
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
-    print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.config.num_kvcache_blocks} KV blocks")
+    print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.num_kvcache_blocks} KV blocks")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     probe = StepProfiler(llm) if args.profile else None
@@ -57,7 +57,7 @@ class StepProfiler:
     def __init__(self, llm):
         import torch
         self.torch, self.steps = torch, {True: [], False: []}
-        runner, engine_step = llm.model_runner, llm.step
+        runner, engine_step = llm.executor.runner, llm.step
         run_model, sampler = runner.run_model, runner.sampler
         self.events = []
 
@@ -79,7 +79,7 @@ class StepProfiler:
             self.steps[is_prefill].append((time.perf_counter() - t, list(self.events)))
             return result
 
-        runner.run_model, runner.sampler, llm.step = timed(run_model), timed(sampler), timed_step
+        runner.run_model, sampler.forward, llm.step = timed(run_model), timed(sampler.forward), timed_step
 
     def report(self):
         self.torch.cuda.synchronize()

@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
-from nanovllm.layers.attention.triton import TritonAttention  # noqa: E402
+from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
 from nanovllm.layers.kernels.decode import decode_attention, num_decode_splits  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 

@@ -3,6 +3,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanovllm.sampling_params import check_seed
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -57,8 +59,7 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or > 0, got {self.num_kvcache_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not -2**63 <= self.seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}")
+        check_seed(self.seed)
         if self.cpu_kvcache_gb <= 0:
             raise ValueError(f"cpu_kvcache_gb must be > 0, got {self.cpu_kvcache_gb}")
         if self.device not in ("auto", "cpu", "cuda"):

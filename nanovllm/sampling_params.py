@@ -10,6 +10,12 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_seed(seed: int, name: str = "seed"):
+    """Seeds are 64-bit, as torch.Generator.manual_seed takes them."""
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"{name} must fit in 64 bits ([-2**63, 2**64)), got {seed}")
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation options (names as in vLLM).
@@ -64,8 +70,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}")
+        if self.seed is not None:
+            check_seed(self.seed)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -28,7 +28,7 @@ def test_greedy_matches_transformers(qwen3_tied):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, N) and out["finish_reason"] == "length"
-    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
 
 
 def test_chunked_prefill_preemption_and_prefix_hits(qwen3_tied):
@@ -55,7 +55,7 @@ def test_every_option_equals_the_plain_loop(qwen3_tied):
     base = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     eos = base[2]["token_ids"][3]
     for llm in (plain, overlapped):
-        llm.scheduler.eos_token_ids, llm.config.eos_token_ids = {eos}, [eos]
+        llm.scheduler.eos_token_ids, llm.executor.runner.sampler.min_tokens.eos_token_ids = {eos}, [eos]
     params = [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=base[0]["text"][5:8]),
         SamplingParams(temperature=0.9, max_tokens=25, seed=3, logprobs=2, repetition_penalty=1.3),
@@ -73,7 +73,7 @@ def test_every_option_equals_the_plain_loop(qwen3_tied):
         streamed[item["index"]] += item["text"]
     assert list(streamed.values()) == [o["text"] for o in expected]
     free = overlapped.scheduler.block_manager.num_free_blocks
-    assert overlapped.is_finished() and free == overlapped.config.num_kvcache_blocks
+    assert overlapped.is_finished() and free == overlapped.num_kvcache_blocks
 
 
 def test_abandoned_stream_and_step_api(qwen3_tied):
@@ -83,7 +83,7 @@ def test_abandoned_stream_and_step_api(qwen3_tied):
         next(it)
     it.close()
     assert llm.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
     prompt = _prompts(4, [6])[0]
     seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while not llm.is_finished():

@@ -135,7 +135,7 @@ def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
     # The cache is torch.empty: memory freed by an earlier engine may hold NaN, and a decode step
     # reads whole blocks, past each sequence's length.
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
-    llm.model_runner.kv_cache.fill_(float("nan"))
+    llm.executor.runner.kv_cache.fill_(float("nan"))
     prompts = _prompts(13, [5, 21])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
@@ -144,14 +144,14 @@ def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
 def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_tied, block_size):
     """The CUDA start-up's second warm-up (every query tile size, with and without cached history) is
     device-independent: run it here."""
-    from nanovllm.engine import cuda_memory
+    from nanovllm.engine import warmup
     llm = LLM(qwen3_tied, kvcache_block_size=block_size)
-    runner, seen = llm.model_runner, set()
+    runner, seen = llm.executor.runner, set()
     prefill = runner.backend.prefill
     runner.backend.prefill = lambda *a: (seen.add((a[5].max_seqlen_q, a[5].block_tables is not None)), prefill(*a))[1]
-    cuda_memory.warmup_prefill_variants(runner)
+    warmup.warmup_prefill_variants(runner)
     runner.backend.prefill = prefill
-    assert seen == {(n, paged) for n in cuda_memory.PREFILL_QUERY_LENS for paged in (False, True)}
+    assert seen == {(n, paged) for n in warmup.PREFILL_QUERY_LENS for paged in (False, True)}
     prompts = _prompts(13, [20, 40])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
@@ -163,8 +163,8 @@ def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     running = llm.stream([prompt], sp)
     next(running), next(running)  # the first request is decoding; both its blocks are cached
     written = []
-    store = llm.model_runner.backend.store_kvcache
-    llm.model_runner.backend.store_kvcache = lambda k, v, kc, vc, slots: (written.extend(slots.tolist()),
+    store = llm.executor.runner.backend.store_kvcache
+    llm.executor.runner.backend.store_kvcache = lambda k, v, kc, vc, slots: (written.extend(slots.tolist()),
                                                                           store(k, v, kc, vc, slots))
     bm = llm.scheduler.block_manager
     seq = llm.add_request(prompt, sp)

@@ -16,7 +16,7 @@ def _still_exact(llm, path):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 8)
     assert llm.scheduler.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
 
 
 @pytest.mark.parametrize("prompts, error, match", [

@@ -88,7 +88,7 @@ def test_async_scheduling_equals_the_plain_loop(qwen3_tied):
 def test_every_batch_size_finds_a_graph(qwen3_tied):
     llm = LLM(qwen3_tied, device="cuda", dtype="bfloat16", max_num_seqs=100, max_model_len=256,
               gpu_memory_utilization=0.5)  # the KV cache carved from free memory
-    assert llm.model_runner.graphs.buckets[-1] == 100
+    assert llm.executor.runner.graphs.buckets[-1] == 100
     for bs in range(1, 101):
         assert bucket_for(decode_buckets(100), bs) >= bs
     prompts = _prompts(3, [8] * 100)  # 97..100 once failed in nano-vllm

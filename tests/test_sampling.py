@@ -84,8 +84,9 @@ def test_min_tokens_holds_eos_back(llm):
     prompt = _prompts(4, [12])[0]
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
     eos = base["token_ids"][0]
-    old = llm.scheduler.eos_token_ids, llm.config.eos_token_ids
-    llm.scheduler.eos_token_ids, llm.config.eos_token_ids = {eos}, [eos]
+    min_tokens = llm.executor.runner.sampler.min_tokens
+    old = llm.scheduler.eos_token_ids, min_tokens.eos_token_ids
+    llm.scheduler.eos_token_ids, min_tokens.eos_token_ids = {eos}, [eos]
     try:
         stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N), use_tqdm=False)[0]
         assert stopped["token_ids"] == [eos] and stopped["finish_reason"] == "stop"
@@ -96,7 +97,7 @@ def test_min_tokens_holds_eos_back(llm):
                                                      stop_token_ids=[eos]), use_tqdm=False)[0]
         assert eos not in held["token_ids"][:3]
     finally:
-        llm.scheduler.eos_token_ids, llm.config.eos_token_ids = old
+        llm.scheduler.eos_token_ids, min_tokens.eos_token_ids = old
 
 
 def test_logprobs_match_transformers(llm, qwen3_tied):
@@ -238,7 +239,7 @@ def test_abandoned_stream_leaves_the_engine_clean(llm, qwen3_tied):
     next(it)
     it.close()
     assert llm.scheduler.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
     prompt = _prompts(10, [6])[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 8)

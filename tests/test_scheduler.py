@@ -9,9 +9,8 @@ BS = 16
 
 def _scheduler(num_blocks=16, max_num_seqs=4, max_tokens=64, max_model_len=256):
     cfg = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
-                          eos_token_ids=[0], num_kvcache_blocks=num_blocks, kvcache_block_size=BS,
-                          enable_prefix_caching=True)
-    return Scheduler(cfg)
+                          eos_token_ids=[0], kvcache_block_size=BS, enable_prefix_caching=True)
+    return Scheduler(cfg, num_blocks)
 
 
 def _seq(n, start=1, max_tokens=8, ignore_eos=False):
@@ -19,9 +18,9 @@ def _seq(n, start=1, max_tokens=8, ignore_eos=False):
 
 
 def _step(s: Scheduler, token=5):
-    seqs, is_prefill = s.schedule()
-    updated = s.postprocess(seqs, [token] * len(seqs))
-    return seqs, is_prefill, [x for x in updated if x.is_finished]
+    batch = s.schedule()
+    updated = s.postprocess(batch, [token] * len(batch.seqs))
+    return batch.seqs, batch.is_prefill, [x for x in updated if x.is_finished]
 
 
 def test_prefill_then_decode():

@@ -20,9 +20,10 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.channel import RpcChannel
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.workers import WorkerError, check_tensor_parallel
+from nanovllm.engine.tensor_parallel import WorkerError, check_tensor_parallel
 from tests.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -40,7 +41,7 @@ def _tokens(outputs: list[dict]) -> list[list[int]]:
 
 
 def _segments(llm) -> list[str]:
-    return glob.glob(f"/dev/shm/{llm.model_runner.workers.channel.prefix}*")
+    return glob.glob(f"/dev/shm/{llm.executor.workers.channel.prefix}*")
 
 
 def _assert_nothing_left(workers):
@@ -111,7 +112,7 @@ def test_prefix_cache_hit_and_a_channel_that_grows(tp_tied, qwen3_tied):
     long_prompt = _prompts(3, [250])[0]  # its message outgrows the 512-byte first segment
     out = tp_tied.generate([long_prompt], GREEDY, use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(qwen3_tied, long_prompt, GREEDY.max_tokens)
-    channel = tp_tied.model_runner.workers.channel
+    channel = tp_tied.executor.workers.channel
     assert channel.data.size > 512 and len(_segments(tp_tied)) == 2  # moved on; the old segment is gone
 
 
@@ -176,7 +177,7 @@ def test_channel_has_no_size_cap():
 
 def test_two_tp_engines_side_by_side(tp_tied, tp_mha, qwen3_tied, qwen3_untied_mha):
     assert len(multiprocessing.active_children()) >= 2
-    a, b = tp_tied.model_runner.workers, tp_mha.model_runner.workers
+    a, b = tp_tied.executor.workers, tp_mha.executor.workers
     assert a.channel.prefix != b.channel.prefix and a.store.port != b.store.port
     prompts = _prompts(6, [5, 40])
     for _ in range(2):  # interleaved: each engine's collectives stay within its own group
@@ -203,14 +204,14 @@ def test_indivisible_sizes_fail_before_any_process_starts(qwen3_tied):
 def test_a_worker_that_raises_surfaces_in_rank_0(qwen3_tied):
     with _deadline(60):
         llm = LLM(qwen3_tied, **TP_OPTIONS)
-        workers = llm.model_runner.workers
+        workers = llm.executor.workers
         assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
         # Only the worker runs this: a sequence with no KV blocks makes its prepare_decode raise.
-        workers.channel.send("run", [Sequence([1, 2, 3], 16)], False)
+        workers.channel.send("run", (ScheduledBatch([Sequence([1, 2, 3], 16)], False, [3]),), {}, False)
         # after a failure rank 0 aborts the group, then destroys its CUDA graphs so that the abort can finish
-        events, shutdown, release = [], workers.shutdown, llm.model_runner.release_graphs
+        events, shutdown, release = [], workers.shutdown, llm.executor.runner.release_graphs
         workers.shutdown = lambda: (events.append("shutdown"), shutdown())[1]
-        llm.model_runner.release_graphs = lambda: (events.append("graphs"), release())[1]
+        llm.executor.runner.release_graphs = lambda: (events.append("graphs"), release())[1]
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 raised.*IndexError"):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         assert events[:2] == ["shutdown", "graphs"]
@@ -224,7 +225,7 @@ def test_a_worker_that_raises_surfaces_in_rank_0(qwen3_tied):
 def test_a_worker_that_dies_mid_generate_surfaces_in_rank_0(qwen3_tied):
     with _deadline(60):
         with LLM(qwen3_tied, **TP_OPTIONS) as llm:
-            workers = llm.model_runner.workers
+            workers = llm.executor.workers
             worker = workers.processes[0]
             killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
             killer.start()
@@ -250,7 +251,7 @@ def test_a_failed_start_leaves_nothing(qwen3_tied, tmp_path):
 def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
     # Explicit exit: the with-block's end.
     with LLM(qwen3_tied, **TP_OPTIONS) as llm:
-        workers = llm.model_runner.workers
+        workers = llm.executor.workers
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     _assert_nothing_left(workers)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -262,7 +263,7 @@ def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
         "if __name__ == '__main__':\n"
         f"    llm = LLM({qwen3_tied!r}, **{TP_OPTIONS!r})\n"
         "    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
-        "    print(llm.model_runner.workers.channel.prefix, llm.model_runner.workers.processes[0].pid)\n"
+        "    print(llm.executor.workers.channel.prefix, llm.executor.workers.processes[0].pid)\n"
     )
     with _deadline(90):
         done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=80)
@@ -328,7 +329,7 @@ def test_rank0_closes_its_group_before_waiting_for_the_workers(qwen3_tied):
     """A worker's NCCL shutdown waits for rank 0's: rank 0 must not wait for the workers to exit first."""
     with _deadline(60):
         llm = LLM(qwen3_tied, **TP_OPTIONS)
-        workers, events = llm.model_runner.workers, []
+        workers, events = llm.executor.workers, []
         close = workers.group.close
         workers.group.close = lambda healthy: (events.append(("close", healthy)), close(healthy))[1]
         for process in workers.processes:
@@ -342,6 +343,7 @@ def test_rank0_closes_its_group_before_waiting_for_the_workers(qwen3_tied):
 def test_rank0_destroys_its_graphs_before_the_group():
     """NCCL's shutdown waits for every graph that captured one of its collectives: graphs go first."""
     from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.tensor_parallel import MultiprocExecutor
     order = []
 
     class Graphs:
@@ -352,9 +354,10 @@ def test_rank0_destroys_its_graphs_before_the_group():
         def shutdown(self):
             order.append("workers and group")
 
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.graphs, runner.workers = Graphs(), Workers()
-    runner.exit()
+    runner, executor = ModelRunner.__new__(ModelRunner), MultiprocExecutor.__new__(MultiprocExecutor)
+    runner.graphs = Graphs()
+    executor.runner, executor.workers = runner, Workers()
+    executor.shutdown()
     assert order == ["graphs", "workers and group"] and runner.graphs is None
 
 
@@ -397,7 +400,7 @@ def test_cuda_two_engines_and_a_dying_worker(qwen3_tied, qwen3_untied_mha):
 
 
 def _kill_a_worker_mid_generate(llm, delay: float):
-    worker = llm.model_runner.workers.processes[0]
+    worker = llm.executor.workers.processes[0]
     killer = threading.Timer(delay, os.kill, (worker.pid, signal.SIGKILL))
     killer.start()
     with _deadline(120), pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly"):

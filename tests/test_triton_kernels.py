@@ -127,7 +127,7 @@ def test_gpu_decode(batch, block_size, heads, kv_heads, head_dim, dtype):
 def test_gpu_decode_cuda_graph():
     """Captured once, replayed with other context lengths, tables and queries: the grid must not depend on them."""
     from nanovllm.layers.attention.torch_ref import TorchAttention
-    from nanovllm.layers.attention.triton import TritonAttention
+    from nanovllm.layers.attention.triton_backend import TritonAttention
     from nanovllm.utils.context import Context
     from tests.triton_kernel_checks import assert_close, block_tables_for, random_cache
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.layers.attention.torch_ref import TorchAttention
-from nanovllm.layers.attention.triton import TritonAttention
+from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
 from nanovllm.utils.context import Context
 

@@ -23,25 +23,26 @@ def bucket_for(buckets: list[int], batch_size: int) -> int:
 
 
 class DecodeGraphs:
+    """Static input buffers plus one graph per bucket. The attention metadata buffers are the backend's
+    (`graph_buffers`), so graphs work for any backend that supports them."""
+
     def __init__(self, runner):
-        cfg, model, device = runner.config, runner.model, runner.device
+        cfg, model, device, backend = runner.config, runner.model, runner.device, runner.backend
+        self.backend = backend
         self.buckets = decode_buckets(cfg.max_num_seqs)
         max_bs = self.buckets[-1]
         max_blocks = (cfg.max_model_len + runner.block_size - 1) // runner.block_size
         hidden = cfg.hf_config.hidden_size
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device)
+        self.metadata = backend.graph_buffers(max_bs, max_blocks, device)
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         try:
             with torch.inference_mode():
                 for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
-                    set_context(False, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
-                                block_tables=self.block_tables[:bs])
+                    set_context(backend.graph_view(self.metadata, bs))
                     self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # compile/JIT before capture
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool):
@@ -70,10 +71,6 @@ class DecodeGraphs:
         graph = self.graphs[bucket_for(self.buckets, bs)]
         self.input_ids[:bs] = input_ids
         self.positions[:bs] = positions
-        self.slot_mapping.fill_(-1)  # padding rows write nothing ...
-        self.slot_mapping[:bs] = context.slot_mapping
-        self.context_lens.zero_()  # ... and read nothing
-        self.context_lens[:bs] = context.context_lens
-        self.block_tables[:bs, : context.block_tables.size(1)] = context.block_tables
+        self.backend.fill_graph_buffers(self.metadata, context)
         graph.replay()
         return self.outputs[:bs]

@@ -35,3 +35,20 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def _longest(stops: list[str]) -> int:
+    return max(map(len, stops), default=0)
+
+
+def find_stop(text: str, delta_len: int, stops: list[str]) -> int | None:
+    """Where the first stop string starts in `text`, looking only where one could have been completed by the last
+    `delta_len` characters; None if none is there."""
+    window_start = max(0, len(text) - delta_len - _longest(stops) + 1)
+    hits = [i for i in (text.find(stop, window_start) for stop in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """How many trailing characters of an unfinished text to hold back: they could still begin a stop string."""
+    return min(len(text), max(0, _longest(stops) - 1))

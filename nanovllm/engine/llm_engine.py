@@ -7,10 +7,11 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.batch import ScheduledBatch
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from nanovllm.engine.executor import make_executor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.engine.workers import start_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import load_generation_config, load_tokenizer
 
@@ -27,6 +28,11 @@ def _nothing_to_schedule() -> RuntimeError:
                         "waiting requests")
 
 
+def _num_tokens(batch: ScheduledBatch) -> int:
+    """step()'s count: prefill tokens computed (positive) or decode sequences (negative)."""
+    return sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill else -len(batch.seqs)
+
+
 def default_sampling_params(model: str) -> SamplingParams:
     """SamplingParams from the checkpoint's generation_config.json where it sets them."""
     gen = load_generation_config(model)
@@ -34,7 +40,7 @@ def default_sampling_params(model: str) -> SamplingParams:
 
 
 class LLMEngine:
-    """Scheduler -> ModelRunner -> Sampler, one step at a time."""
+    """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)
@@ -45,8 +51,9 @@ class LLMEngine:
                 raise
             self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.vocab_size = config.hf_config.vocab_size
-        self.model_runner = start_model_runner(config)  # with tensor_parallel_size > 1, spawns the other ranks
-        self.scheduler = Scheduler(config)
+        self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
+        self.num_kvcache_blocks = self.executor.num_kvcache_blocks
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.default_sampling_params = default_sampling_params(config.model)
         self._closed = False
         self._pending = None  # async scheduling: the decode step launched and not yet settled
@@ -58,9 +65,9 @@ class LLMEngine:
         self._closed = True
         atexit.unregister(self.exit)
         on_cuda = self.config.device == "cuda"
-        if self.model_runner is not None:
-            self.model_runner.exit()
-        self.model_runner = None
+        if self.executor is not None:
+            self.executor.shutdown()
+        self.executor = None
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import gc
 
@@ -84,14 +91,11 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        cfg = self.config
-        if len(token_ids) > cfg.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={cfg.max_model_len}: "
+        # (The engine refuses at start a cache of fewer than max_model_len tokens, so such a prompt always fits.)
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}: "
                              "shorten it or raise max_model_len")
-        blocks = (len(token_ids) + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
-        if blocks > cfg.num_kvcache_blocks:
-            raise ValueError(f"prompt needs {blocks} KV blocks but the cache has only {cfg.num_kvcache_blocks}: "
-                             "shorten it or give the KV cache more room")
         return token_ids
 
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -116,10 +120,10 @@ class LLMEngine:
         With async_scheduling, a decode step returns the tokens of the step launched before it."""
         if self.config.async_scheduling:
             return self._step_async()
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
             raise _nothing_to_schedule()
-        return self._run_scheduled(seqs, is_prefill)
+        return self._apply(batch, *self.executor.run(batch)), _num_tokens(batch)
 
     def _step_async(self) -> tuple[list[Sequence], int]:
         """Launch decode step N+1 before waiting for step N's tokens, so the CPU schedules and prepares while
@@ -127,31 +131,27 @@ class LLMEngine:
         sequences until N is settled. A sequence that step N ends still runs (uselessly) in N+1."""
         pending, scheduler = self._pending, self.scheduler
         if pending is not None and scheduler.can_prefill():  # a prefill comes next: it needs the real tokens
-            return self._settle(), -len(pending.seqs)
-        seqs, is_prefill = scheduler.schedule()
-        if not seqs:
+            return self._settle(), _num_tokens(pending.batch)
+        batch = scheduler.schedule()
+        if not batch.seqs:
             if pending is not None:
-                return self._settle(), -len(pending.seqs)
+                return self._settle(), _num_tokens(pending.batch)
             raise _nothing_to_schedule()
-        if is_prefill:  # (nothing is pending: waiting sequences made us settle above)
-            return self._run_scheduled(seqs, is_prefill)
-        self._pending = self.model_runner.launch_decode(seqs, pending)
-        for seq in seqs:
+        if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
+            return self._apply(batch, *self.executor.run(batch)), _num_tokens(batch)
+        self._pending = self.executor.launch(batch, pending)
+        for seq in batch.seqs:
             seq.append_token(PENDING_TOKEN)
-        return (self._settle(pending) if pending is not None else []), -len(seqs)
-
-    def _run_scheduled(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], int]:
-        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
-        updated = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        self._update_texts(updated)
-        return updated, sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        return (self._settle(pending) if pending is not None else []), _num_tokens(batch)
 
     def _settle(self, step=None) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them."""
         if step is None or step is self._pending:
             step, self._pending = self._pending, None
-        token_ids, logprobs = self.model_runner.settle(step)
-        updated = self.scheduler.postprocess_async(step.seqs, step.out_index, token_ids, logprobs)
+        return self._apply(step.batch, *self.executor.settle(step))
+
+    def _apply(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None) -> list[Sequence]:
+        updated = self.scheduler.postprocess(batch, token_ids, logprobs)
         self._update_texts(updated)
         return updated
 
@@ -170,10 +170,9 @@ class LLMEngine:
         # the detokenizer holds exactly the settled completion tokens (async scheduling may have appended more)
         if not stops or not delta or len(detok.token_ids) < seq.sampling_params.min_tokens:
             return
-        window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
-        hits = [i for i in (detok.text.find(stop, window_start) for stop in stops) if i >= 0]
-        if hits:
-            detok.text = detok.text[: min(hits)]  # the returned text ends before the stop string
+        hit = find_stop(detok.text, len(delta), stops)
+        if hit is not None:
+            detok.text = detok.text[:hit]  # the returned text ends before the stop string
             if not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
             seq.finish_reason = "stop"
@@ -285,10 +284,9 @@ class LLMEngine:
         emitted = dict.fromkeys(index, 0)  # characters of text already yielded
         for updated in self._run(seqs, use_tqdm):
             for seq in updated:
-                text = self._text(seq)
-                stops = seq.sampling_params.stop_strings
+                text, stops = self._text(seq), seq.sampling_params.stop_strings
                 # hold back what could still turn out to be the start of a stop string
-                end = len(text) if seq.is_finished or not stops else max(0, len(text) - max(map(len, stops)) + 1)
+                end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
                 start = emitted[seq.seq_id]
                 emitted[seq.seq_id] = max(start, end)
                 item = {"index": index[seq.seq_id], "text": text[start:end], "token_ids": [seq.new_token],

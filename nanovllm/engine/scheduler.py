@@ -1,6 +1,7 @@
 from collections import deque
 
 from nanovllm.config import Config
+from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
@@ -12,13 +13,12 @@ class Scheduler:
     blocks are freed and it is recomputed later (its blocks may come back from the prefix cache).
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(config.eos_token_ids)
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
 
@@ -44,7 +44,7 @@ class Scheduler:
         """Whether the next schedule() would be a prefill (the head of waiting is mid-prefill or fits)."""
         return bool(self.waiting) and (bool(self.waiting[0].block_table) or self._can_admit(self.waiting[0]))
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> ScheduledBatch:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         # Prefill: admit waiting sequences; the one at the head may be mid-way through a chunked prefill.
@@ -66,7 +66,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         if scheduled:
-            return scheduled, True
+            return ScheduledBatch(scheduled, True, [seq.num_tokens if seq.samples_this_step else -1
+                                                    for seq in scheduled])
 
         # Decode: one token per running sequence.
         done_when_settled = []  # async scheduling: their token in flight already ends them (length)
@@ -86,7 +87,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled + done_when_settled))
-        return scheduled, False
+        return ScheduledBatch(scheduled, False, [seq.num_tokens for seq in scheduled])
 
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING
@@ -95,39 +96,23 @@ class Scheduler:
         mid_prefill = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if mid_prefill else 0, seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
-                    logprobs: list | None = None) -> list[Sequence]:
-        """Record computed K/V and sampled tokens; finish sequences on EOS, stop token ids or length.
-        Returns the sequences that received a new token this step."""
-        updated = []
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            self.block_manager.hash_blocks(seq)
-            if seq.num_cached_tokens < seq.num_tokens:
-                continue  # a chunk of a longer prefill: its sampled token is meaningless
-            seq.append_token(token_id)
-            if logprobs is not None and logprobs[i] is not None:
-                seq.logprobs.append(logprobs[i])
-            updated.append(seq)
-            seq.new_token = token_id
-            self._check_stop(seq, token_id, seq.num_tokens)
-        return updated
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+        """After a step: count the K/V it computed, put each sampled token at its out_index, and finish sequences on
+        EOS, stop token ids or length. Returns the sequences that received a token.
 
-    def postprocess_async(self, seqs: list[Sequence], out_index: list[int], token_ids: list[int],
-                          logprobs: list | None = None) -> list[Sequence]:
-        """Settle a decode step launched without waiting (async scheduling): sequence i's sampled token goes to
-        token_ids[out_index[i]], whose placeholder the engine appended at launch. Since then the next step may
-        have been scheduled: a sequence may hold one more placeholder, or have been preempted."""
+        The plain loop calls this right after the step: the token is appended. Under async scheduling the step was
+        launched a step earlier: the token replaces the placeholder the engine appended at launch, and meanwhile
+        the sequence may have finished (this token is then spare work) or been preempted (no K/V left to count)."""
         updated = []
-        for i, (seq, index, token_id) in enumerate(zip(seqs, out_index, token_ids)):
+        for i, (seq, index, token_id) in enumerate(zip(batch.seqs, batch.out_index, token_ids)):
             if seq.is_finished:
-                continue  # it ended at the step before: this token was spare work
-            seq.token_ids[index] = token_id
-            if index == seq.num_tokens - 1:
-                seq.last_token = token_id
-            if seq.status == SequenceStatus.RUNNING:  # (a preempted sequence has no K/V left to count)
-                seq.num_cached_tokens = index
+                continue
+            if seq.block_table:
+                seq.num_cached_tokens = index if index >= 0 else seq.num_cached_tokens + seq.num_scheduled_tokens
                 self.block_manager.hash_blocks(seq)
+            if index < 0:
+                continue  # a chunk of a longer prefill: its sampled token is meaningless
+            seq.set_token(index, token_id)
             if logprobs is not None and logprobs[i] is not None:
                 seq.logprobs.append(logprobs[i])
             seq.new_token = token_id

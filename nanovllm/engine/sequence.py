@@ -35,7 +35,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.sampling_params = sampling_params
-        self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0)
@@ -94,6 +93,15 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+    def set_token(self, index: int, token_id: int):
+        """Put a sampled token at `index`: appended, or in place of its async placeholder."""
+        if index == self.num_tokens:
+            self.append_token(token_id)
+            return
+        self.token_ids[index] = token_id
+        if index == self.num_tokens - 1:
+            self.last_token = token_id
 
     # Workers only read the tokens this step computes (prepare_prefill: seq[start:end]; prepare_decode:
     # last_token), so only those travel, with token_offset saying where they start. The phase cannot be

@@ -12,9 +12,6 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = get_tp_rank(), get_tp_size(), get_tp_group()
-        if num_embeddings % self.tp_size:
-            raise ValueError(f"vocabulary size ({num_embeddings}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp_size})")
         self.num_embeddings = num_embeddings
         self.shard_size = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.shard_size
@@ -33,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last token of each sequence in prefill (all tokens in decode); rank 0 gathers."""
+    """Logits for the hidden rows the step asks for (Context.logits_indices; every row when None); rank 0 gathers."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         super().__init__(num_embeddings, embedding_dim)
@@ -41,9 +38,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("LM heads with a bias are not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        context = get_context()
-        if context.is_prefill:
-            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        indices = get_context().logits_indices
+        if indices is not None:
+            x = x[indices]
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits

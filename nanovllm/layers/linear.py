@@ -1,16 +1,11 @@
 """Tensor-parallel linear layers. Each parameter carries a weight_loader that takes the full
-checkpoint tensor and copies this rank's shard into it."""
+checkpoint tensor and copies this rank's shard into it. Sizes divide evenly by the number of ranks: the engine
+checks that once, before any process starts (tensor_parallel.check_tensor_parallel)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-
-
-def _divide(n: int, d: int, what: str) -> int:
-    if n % d:
-        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
-    return n // d
 
 
 class LinearBase(nn.Module):
@@ -35,19 +30,11 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class ColumnParallelLinear(LinearBase):
     """Splits the output dimension; each rank returns its slice of the outputs."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias, 0)
+        super().__init__(input_size, output_size // get_tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -73,8 +60,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = get_tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "number of attention heads")
-        self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
@@ -87,7 +73,7 @@ class RowParallelLinear(LinearBase):
     """Splits the input dimension; partial outputs are summed across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias, 1)
+        super().__init__(input_size // get_tp_size(), output_size, bias, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias so that the all-reduce adds it once.

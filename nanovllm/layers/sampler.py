@@ -1,11 +1,13 @@
 """Batched sampling: every option is applied to the whole batch with tensors, no per-row Python
 loops except for the noise of seeded requests."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from nanovllm.layers.compile import compiled
+from nanovllm.layers.logits_processors import LogitsProcessor, MinTokensProcessor, PenaltiesProcessor
+from nanovllm.utils.context import ToDevice
 
 
 @dataclass
@@ -21,43 +23,64 @@ class SamplingTensors:
     top_ks: torch.Tensor | None = None  # [batch] int64; vocab size when off
     top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
-    repetition: torch.Tensor | None = None  # [batch] float32 (1: off), with seen_mask
-    seen_mask: torch.Tensor | None = None  # [batch, vocab] bool: token in prompt or output
-    presence: torch.Tensor | None = None  # [batch] float32, with output_counts
-    frequency: torch.Tensor | None = None  # [batch] float32
-    output_counts: torch.Tensor | None = None  # [batch, vocab] float32: times each token was generated
-    penalty_rows: torch.Tensor | None = None  # [batch] rows of the PenaltyState (for its update)
-    sampled_rows: torch.Tensor | None = None  # [batch] bool: the row's token is kept (not a prefill chunk)
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf (min_tokens)
+    processors: list[tuple[LogitsProcessor, object]] = field(default_factory=list)  # with this step's state
     generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators
     num_logprobs: int = -1  # top-k logprobs to return (-1: none)
 
 
 class Sampler(nn.Module):
     """Exact sampling without multinomial: argmax(p / E) with E ~ Exp(1) picks token i with probability
-    p_i (the exponential race). Rows with temperature 0 take the argmax of the processed logits."""
+    p_i (the exponential race). Rows with temperature 0 take the argmax of the processed logits.
 
-    def __init__(self):
+    `prepare` turns a step's sequences into SamplingTensors (rank 0 only); `forward` applies the logits
+    processors, samples and lets the processors record the new tokens, all on the device."""
+
+    def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu"):
         super().__init__()
         self.race_fn = race_in_log_space
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.penalties = PenaltiesProcessor(vocab_size, self.device)
+        self.min_tokens = MinTokensProcessor(eos_token_ids)
+        self.processors: list[LogitsProcessor] = [self.penalties, self.min_tokens]  # applied in this order
 
     def use_compiled(self, enabled: bool = True):
         self.race_fn = compiled(race_in_log_space) if enabled else race_in_log_space
+
+    def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice) -> SamplingTensors:
+        """Per-row tensors; the optional ones only when some row needs them. sampled[i] is False for a chunk of a
+        longer prefill: its token is thrown away, so it must not use up a seeded request's draws."""
+        sps = [seq.sampling_params for seq in seqs]
+        vocab = self.vocab_size
+        st = SamplingTensors(to_device([sp.temperature for sp in sps], torch.float32),
+                             any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps),
+                             vocab_size=vocab)
+        if any(sp.needs_filtering for sp in sps):
+            if any(sp.top_k > 0 for sp in sps):
+                top_ks = [min(sp.top_k, vocab) if sp.top_k > 0 and not sp.greedy else vocab for sp in sps]
+                st.top_ks, st.max_top_k = to_device(top_ks, torch.int64), max(top_ks)
+            if any(sp.top_p < 1 for sp in sps):
+                st.top_ps = to_device([sp.top_p for sp in sps], torch.float32)
+            if any(sp.min_p > 0 for sp in sps):
+                st.min_ps = to_device([sp.min_p for sp in sps], torch.float32)
+        for processor in self.processors:
+            state = processor.prepare(seqs, sampled, to_device)
+            if state is not None:
+                st.processors.append((processor, state))
+        for i, (seq, sp, keep) in enumerate(zip(seqs, sps, sampled)):
+            if sp.seed is not None and not sp.greedy and keep:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+                st.generators = (st.generators or []) + [(i, seq.generator)]
+        st.num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
+        return st
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, -1) if st.num_logprobs >= 0 else None
-        if st.repetition is not None:
-            # HF/CTRL repetition penalty on every token seen so far: shrink positive logits, grow negative ones
-            penalty = torch.where(st.seen_mask, st.repetition.unsqueeze(1), 1.0)
-            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-        if st.presence is not None:
-            logits = logits - st.presence.unsqueeze(1) * (st.output_counts > 0) \
-                - st.frequency.unsqueeze(1) * st.output_counts
-        if st.banned is not None:
-            logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
+        for processor, state in st.processors:
+            logits = processor.apply(logits, state)
         if st.all_greedy:  # nothing to draw: skip the softmax and the noise
             tokens = logits.argmax(-1)
         else:
@@ -68,6 +91,8 @@ class Sampler(nn.Module):
                 tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
             if st.any_greedy:
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
+        for processor, state in st.processors:
+            processor.update(state, tokens)
         if raw_logprobs is None:
             return tokens, None
         top = raw_logprobs.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None

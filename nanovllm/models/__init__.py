@@ -28,10 +28,6 @@ MODEL_FLAGS: dict[str, Callable[[object], DecoderFlags]] = {
 }
 
 
-def supported_architectures() -> list[str]:
-    return list(MODEL_FLAGS)
-
-
 def _architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     for arch in archs:

@@ -117,13 +117,13 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    # checkpoint name fragment -> (parameter name fragment, shard id)
+    # checkpoint module path (its last dotted segments) -> (our module name, shard id); see loader.route_weight
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+        "self_attn.q_proj": ("qkv_proj", "q"),
+        "self_attn.k_proj": ("qkv_proj", "k"),
+        "self_attn.v_proj": ("qkv_proj", "v"),
+        "mlp.gate_proj": ("gate_up_proj", 0),
+        "mlp.up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config, flags: DecoderFlags):

@@ -1,11 +1,16 @@
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+# How per-step host data reaches the device: (list, dtype) -> tensor (the runner's pinned, non-blocking copy).
+# Attention backends, the sampler and logits processors build their parts of a step with it.
+ToDevice = Callable[[list, torch.dtype], torch.Tensor]
+
 
 @dataclass(slots=True)
 class Context:
-    """Per-step tensors read by attention and the LM head; set by prepare_*, reset after the step.
+    """Per-step tensors read by attention and the LM head; set when a step's batch runs, reset after it.
 
     Prefill packs the new tokens of all sequences end to end: query i of sequence s covers
     cu_seqlens_q[s]:cu_seqlens_q[s+1]; its keys are all cu_seqlens_k[s+1]-cu_seqlens_k[s] tokens of
@@ -20,6 +25,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int32; -1: do not write
     context_lens: torch.Tensor | None = None  # [num_seqs] int32 (decode: tokens to attend, the new one included)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, right-padded with -1
+    logits_indices: torch.Tensor | None = None  # [rows] int64: hidden rows the LM head scores; None: every row
 
 
 _CONTEXT = Context()
@@ -29,10 +35,10 @@ def get_context() -> Context:
     return _CONTEXT
 
 
-def set_context(is_prefill: bool, **tensors) -> Context:
+def set_context(context: Context) -> Context:
     global _CONTEXT
-    _CONTEXT = Context(is_prefill, **tensors)
-    return _CONTEXT
+    _CONTEXT = context
+    return context
 
 
 def reset_context():

@@ -4,7 +4,7 @@ A model is a Hugging Face checkpoint directory (config.json + *.safetensors) or 
 is converted once into a cached directory of the same kind (see nanovllm/utils/gguf.py)."""
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from glob import glob
 
 import torch
@@ -77,33 +77,46 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
     param.data.copy_(loaded)
 
 
-def load_weights(model: nn.Module, path: str):
-    """Route each checkpoint tensor to its parameter's weight_loader (packed q/k/v and gate/up too)."""
+def route_weight(name: str, packed: dict) -> tuple[str, object | None]:
+    """(parameter name, shard id or None) for a checkpoint tensor name. A mapping key is a dotted module path matched
+    against whole trailing segments of the tensor's module, whose last segment becomes the value's module name:
+    {"mlp.gate_proj": ("gate_up_proj", 0)} routes `layers.0.mlp.gate_proj.weight` into shard 0 of
+    `layers.0.mlp.gate_up_proj.weight`, but never `mlp.experts.3.gate_proj.weight` nor `mlp.gate_proj_x.weight`."""
+    module, _, leaf = name.rpartition(".")
+    segments = module.split(".")
+    for src, (dst, shard_id) in packed.items():
+        path = src.split(".")
+        if segments[-len(path):] == path:
+            return ".".join(segments[:-1] + [dst, leaf]), shard_id
+    return name, None
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str):
+    """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too);
+    every parameter must be loaded. `source` names where the weights came from, for errors."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
     loaded_names = set()
-    for name, tensor in iter_weights(path):
-        if name in skip or "rotary_emb.inv_freq" in name:
+    for name, tensor in weights:
+        if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
-        for src, (dst, shard_id) in packed.items():
-            if src in name:
-                pname = name.replace(src, dst)
-                if pname not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-                param = params[pname]
-                param.weight_loader(param, tensor, shard_id)
-                break
-        else:
-            pname = name
-            if pname not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-            param = params[pname]
+        pname, shard_id = route_weight(name, packed)
+        if pname not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        param = params[pname]
+        if shard_id is None:
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        else:
+            param.weight_loader(param, tensor, shard_id)
         loaded_names.add(pname)
     missing = [n for n in params if n not in loaded_names]
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(missing[:8])}")
+        raise ValueError(f"checkpoint {source!r} lacks weights for: {', '.join(missing[:8])}")
+
+
+def load_weights(model: nn.Module, path: str):
+    load_named_weights(model, iter_weights(path), path)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0):

@@ -21,10 +21,10 @@ def get_backend(name: str, device: str) -> AttentionBackend:
         from nanovllm.layers.attention.torch_ref import TorchAttention
         return TorchAttention()
     if name == "triton":
-        from nanovllm.layers.attention.triton import TritonAttention
+        from nanovllm.layers.attention.triton_backend import TritonAttention
         return TritonAttention()
     if name == "flash_attn":
-        from nanovllm.layers.attention.flash_attn import FlashAttention
+        from nanovllm.layers.attention.flash_attn_backend import FlashAttention
         return FlashAttention()
     raise ValueError(f"unknown attention backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
 

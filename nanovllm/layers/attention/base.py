@@ -1,12 +1,15 @@
 import torch
 
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, ToDevice
 
 
 class AttentionBackend:
     """What every attention implementation provides. Shapes:
     q [tokens, heads, head_dim]; k, v [tokens, kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
+
+    Each backend also builds its own per-step metadata (the Context) from the runner's host-side lists, and the
+    static buffers a decode CUDA graph reads, so the runner and the graphs never name its fields.
     """
 
     name = "base"
@@ -15,6 +18,45 @@ class AttentionBackend:
     def check_head_dim(self, head_dim: int):
         """Raise ValueError, once at start-up, for a head size this backend cannot run."""
 
+    # ---- per-step metadata ------------------------------------------------------------------------
+    def prefill_context(self, to_device: ToDevice, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
+                        slot_mapping: list[int], block_tables: list[list[int]] | None) -> Context:
+        """block_tables: one row per sequence, right-padded with -1; None when no sequence has cached history."""
+        return Context(True, cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
+                       cu_seqlens_k=to_device(cu_seqlens_k, torch.int32),
+                       max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
+                       max_seqlen_k=max(b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])),
+                       slot_mapping=to_device(slot_mapping, torch.int32) if slot_mapping else None,
+                       block_tables=to_device(block_tables, torch.int32) if block_tables is not None else None)
+
+    def decode_context(self, to_device: ToDevice, slot_mapping: list[int], context_lens: list[int],
+                       block_tables: list[list[int]]) -> Context:
+        return Context(False, slot_mapping=to_device(slot_mapping, torch.int32),
+                       context_lens=to_device(context_lens, torch.int32),
+                       block_tables=to_device(block_tables, torch.int32))
+
+    # ---- decode CUDA graphs -----------------------------------------------------------------------
+    def graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device) -> Context:
+        """Static decode metadata that graphs are captured on; padding rows write nothing and read nothing."""
+        return Context(False, slot_mapping=torch.full((max_batch,), -1, dtype=torch.int32, device=device),
+                       context_lens=torch.zeros(max_batch, dtype=torch.int32, device=device),
+                       block_tables=torch.full((max_batch, max_blocks), -1, dtype=torch.int32, device=device))
+
+    def graph_view(self, buffers: Context, batch: int) -> Context:
+        """The first `batch` rows of the buffers: what the graph of that bucket is captured on."""
+        return Context(False, slot_mapping=buffers.slot_mapping[:batch], context_lens=buffers.context_lens[:batch],
+                       block_tables=buffers.block_tables[:batch])
+
+    def fill_graph_buffers(self, buffers: Context, step: Context):
+        """Copy a step's metadata into the buffers before a replay (rows past the step's batch become padding)."""
+        batch = step.slot_mapping.size(0)
+        buffers.slot_mapping.fill_(-1)
+        buffers.slot_mapping[:batch] = step.slot_mapping
+        buffers.context_lens.zero_()
+        buffers.context_lens[:batch] = step.context_lens
+        buffers.block_tables[:batch, : step.block_tables.size(1)] = step.block_tables
+
+    # ---- the kernels --------------------------------------------------------------------------------
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor):
         """Write token t's K/V to slot slot_mapping[t] (block * block_size + offset); skip slot -1."""

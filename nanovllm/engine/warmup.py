@@ -1,8 +1,14 @@
-"""GPU memory: measure the activation peak with one max-size step, then carve the KV cache."""
+"""Warm-ups on CUDA: one max-size step before the KV cache is sized (its activation peak is what the cache must
+leave free), and one small prefill per Triton kernel variant, so no JIT lands in the first real steps."""
 import torch
 
+from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingTensors
+
+
+def _prefill(runner, seqs: list[Sequence]):
+    runner.run(ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs]))
 
 
 def warmup(runner):
@@ -17,7 +23,7 @@ def warmup(runner):
     seqs = [Sequence([0] * seq_len, runner.block_size) for _ in range(num_seqs)]
     for seq in seqs:
         seq.num_scheduled_tokens = seq_len
-    runner.run(seqs, True)
+    _prefill(runner, seqs)
     if runner.rank == 0:
         vocab = cfg.hf_config.vocab_size
         logits = torch.zeros(cfg.max_num_seqs, vocab, dtype=cfg.torch_dtype, device=runner.device)
@@ -41,30 +47,11 @@ def warmup_prefill_variants(runner):
     for q_len in PREFILL_QUERY_LENS:
         fresh = Sequence([0] * q_len, runner.block_size)  # owns no cache: nothing is written
         fresh.num_scheduled_tokens = q_len
-        runner.run([fresh], True)
+        _prefill(runner, [fresh])
         history = Sequence([0] * (16 + q_len), runner.block_size)
-        if runner.config.num_kvcache_blocks >= history.num_blocks:
+        if runner.num_kvcache_blocks >= history.num_blocks:
             history.block_table = list(range(history.num_blocks))
             history.num_cached_tokens, history.num_scheduled_tokens = 16, q_len
-            runner.run([history], True)
+            _prefill(runner, [history])
     if runner.is_cuda:
         torch.cuda.synchronize()
-
-
-def num_kvcache_blocks(runner) -> int:
-    """total × gpu_memory_utilization − used − (peak − current), in blocks; or the configured count."""
-    cfg = runner.config
-    if cfg.num_kvcache_blocks > 0:
-        return cfg.num_kvcache_blocks
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    stats = torch.cuda.memory_stats()
-    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-    available = int(total * cfg.gpu_memory_utilization - used - (peak - current))
-    blocks = available // runner.block_bytes
-    if blocks <= 0:
-        raise ValueError(
-            f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB total, {used / 2**30:.1f} GiB in use, "
-            f"{(peak - current) / 2**30:.1f} GiB activation peak; raise gpu_memory_utilization "
-            f"(now {cfg.gpu_memory_utilization}) or lower max_num_batched_tokens / max_num_seqs")
-    return blocks

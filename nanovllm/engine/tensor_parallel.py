@@ -1,9 +1,10 @@
 """Tensor parallelism: rank 0 spawns ranks 1..N-1 and drives them with a tiny RPC over shared memory.
 
-Rank 0 (the user's process) schedules, samples and holds the tokenizer. `ModelRunner.call(method, *args)`
-pickles (method, args) into a shared-memory segment, wakes every worker through its own event and then
-runs the method itself; each worker runs the same method on its shard of the weights, and the
-collectives inside the model (all_reduce, gather) join the results. The channel is in channel.py;
+Rank 0 (the user's process) schedules, samples and holds the tokenizer. `MultiprocExecutor` pickles
+(method, args) into a shared-memory segment, wakes every worker through its own event and then runs the
+method on rank 0's ModelRunner; each worker runs the same method on its shard of the weights, and the
+collectives inside the model (all_reduce, gather) join the results. Workers answer only `collective_rpc`
+calls (over their pipe); a step's tokens come from rank 0 alone. The channel is in channel.py;
 docs/tensor_parallel.md has the whole design: rendezvous, failure handling and shutdown.
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.channel import ChannelEnd, RpcChannel
+from nanovllm.engine.executor import Executor, check_rpc_method
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils.distributed import TPGroup
 
@@ -38,28 +41,39 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker failed (or the engine was shut down after a failure)."""
 
 
-def start_model_runner(config: Config) -> ModelRunner:
-    """Rank 0's ModelRunner; with tensor_parallel_size > 1 it also spawns and connects ranks 1..N-1."""
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config, 0)
-    workers = Workers(config)
-    runner = None
-    try:
-        runner = ModelRunner(config, 0, workers.group, workers)
-        workers.wait_for("ready")
-        return runner
-    except BaseException as e:
-        # A user error (a bad checkpoint, a KV cache too small) fails every rank alike: raise rank 0's.
-        # Anything else may be a collective broken by a worker's failure: raise the worker's report.
-        worker_failed = not isinstance(e, (ValueError, TypeError, WorkerError)) and workers.failed_soon(e)
+class MultiprocExecutor(Executor):
+    """Rank 0's ModelRunner in this process; ranks 1..N-1 spawned, connected and driven by `Workers`."""
+
+    def __init__(self, config: Config):
+        check_tensor_parallel(config)
+        self.workers = workers = Workers(config)
+        self.runner = None
         try:
-            if runner is not None:
-                runner.release_graphs()
-        finally:
-            workers.shutdown()
-        if worker_failed:
-            raise workers.error() from e
-        raise
+            self.runner = ModelRunner(config, 0, workers.group)
+            workers.wait_for("ready")
+        except BaseException as e:
+            # A user error (a bad checkpoint, a KV cache too small) fails every rank alike: raise rank 0's.
+            # Anything else may be a collective broken by a worker's failure: raise the worker's report.
+            worker_failed = not isinstance(e, (ValueError, TypeError, WorkerError)) and workers.failed_soon(e)
+            try:
+                if self.runner is not None:
+                    self.runner.release_graphs()
+            finally:
+                workers.shutdown()
+            if worker_failed:
+                raise workers.error() from e
+            raise
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+
+    def run(self, batch: ScheduledBatch):
+        return self.workers.call(self.runner, "run", (batch,))
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        return self.workers.call(self.runner, check_rpc_method(method), tuple(args), kwargs or {}, reply=True)
+
+    def shutdown(self):
+        self.runner.release_graphs()
+        self.workers.shutdown()
 
 
 def check_tensor_parallel(config: Config):
@@ -95,7 +109,6 @@ class Workers:
     """
 
     def __init__(self, config: Config):
-        check_tensor_parallel(config)
         n = config.tensor_parallel_size
         if config.device == "cpu" and torch.get_num_threads() > cpu_threads_per_rank(n):
             logger.info("tensor parallel on CPU: torch threads %d -> %d in this process, so the %d ranks "
@@ -106,6 +119,7 @@ class Workers:
         self.group: TPGroup | None = None
         self.processes, self._conns = [], []
         self._counts = {"started": 0, "ready": 0}
+        self._replies: dict[int, object] = {}  # rank -> result of the current collective_rpc
         self._cond = threading.Condition()
         self._closing = self._closed = False
         self._stop = threading.Event()
@@ -153,6 +167,10 @@ class Workers:
                         continue
                     if kind == "error":
                         self._record_failure(f"a worker failure: tensor-parallel worker rank {rank} raised:\n{text}")
+                    elif kind == "reply":
+                        with self._cond:
+                            self._replies[rank] = text
+                            self._cond.notify_all()
                     else:
                         with self._cond:
                             self._counts[kind] += 1
@@ -195,25 +213,35 @@ class Workers:
                 self._cond.wait_for(lambda: self.failure is not None, FAILURE_GRACE_S)
             return self.failure is not None
 
-    def wait_for(self, kind: str):
-        """Wait until every worker has reported `kind` ("started" or "ready")."""
+    def _wait(self, done, what: str):
+        """Wait until done() (under the lock), raising on a worker failure or after TIMEOUT_S."""
         deadline = time.monotonic() + TIMEOUT_S
         with self._cond:
-            while self._counts[kind] < len(self.processes):
+            while not done():
                 if self.failure is not None:
                     raise self.error()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise WorkerError(f"tensor-parallel workers did not become {kind} within {TIMEOUT_S:.0f}s")
+                    raise WorkerError(f"tensor-parallel workers did not {what} within {TIMEOUT_S:.0f}s")
                 self._cond.wait(min(remaining, 1.0))
 
+    def wait_for(self, kind: str):
+        """Wait until every worker has reported `kind` ("started" or "ready")."""
+        self._wait(lambda: self._counts[kind] >= len(self.processes), f"become {kind}")
+
     # -- driving --
-    def call(self, runner: ModelRunner, method: str, *args):
-        """Send `method` to every worker, run it on rank 0 and return rank 0's result."""
+    def call(self, runner: ModelRunner, method: str, args: tuple, kwargs: dict | None = None, reply: bool = False):
+        """Send `method` to every worker and run it on rank 0. Returns rank 0's result, or with `reply` every
+        rank's result in rank order (workers send theirs back over their pipe)."""
         self.check()
+        kwargs = kwargs or {}
         try:
-            self.channel.send(method, *args, check=self.check)
-            result = getattr(runner, method)(*args)
+            self._replies.clear()
+            self.channel.send(method, args, kwargs, reply, check=self.check)
+            result = getattr(runner, method)(*args, **kwargs)
+            if reply:
+                self._wait(lambda: len(self._replies) == len(self.processes), f"answer {method}")
+                result = [result] + [self._replies[rank] for rank in range(1, len(self.processes) + 1)]
         except WorkerError:
             self._shutdown_after_failure(runner)
             raise
@@ -253,7 +281,7 @@ class Workers:
         healthy = self.failure is None and self.channel is not None and all(p.is_alive() for p in self.processes)
         if healthy:
             try:
-                self.channel.send("exit", timeout=EXIT_TIMEOUT_S)
+                self.channel.send("exit", (), {}, False, timeout=EXIT_TIMEOUT_S)
             except Exception:
                 healthy = False
         start = time.monotonic()
@@ -319,10 +347,12 @@ def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: con
                 raise SystemExit(0)  # rank 0 is gone: nobody will send "exit"
 
         while True:
-            method, args = channel.recv(parent_alive)
+            method, (args, kwargs, reply) = channel.recv(parent_alive)
             if method == "exit":
                 break
-            getattr(runner, method)(*args)
+            result = getattr(runner, method)(*args, **kwargs)
+            if reply:
+                conn.send(("reply", result))
         t = time.monotonic()
         runner.release_graphs()  # before the group: see ModelRunner.release_graphs
         logger.debug("graphs released in %.2fs", time.monotonic() - t)

@@ -1,0 +1,71 @@
+"""Executors: how LLMEngine reaches the model runners, one per rank.
+
+`run` executes a step and returns rank 0's sampled tokens; `launch`/`settle` split it for async scheduling;
+`collective_rpc` runs a ModelRunner method on every rank and returns each rank's result (weight updates and
+sleep/wake go through it); `shutdown` frees everything. Two executors today: one rank in this process, and
+tensor-parallel ranks in spawned processes (tensor_parallel.py). Data parallelism and Ray are future executors,
+or a layer over several."""
+from __future__ import annotations
+
+from nanovllm.config import Config
+from nanovllm.engine.batch import PendingStep, ScheduledBatch
+from nanovllm.engine.model_runner import ModelRunner
+
+
+class Executor:
+    runner: ModelRunner  # rank 0's, in this process
+    num_kvcache_blocks: int  # blocks every rank holds; the scheduler's budget
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None]:
+        """Run one step on every rank; rank 0's (sampled token ids, logprob dicts or None)."""
+        raise NotImplementedError
+
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> PendingStep:
+        """Start a step without waiting for its tokens (async scheduling)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
+
+    def settle(self, step: PendingStep) -> tuple[list[int], list | None]:
+        """Wait for a launched step's tokens."""
+        return self.runner.settle(step)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run ModelRunner.`method`(*args, **kwargs) on every rank; the results in rank order."""
+        raise NotImplementedError
+
+    def shutdown(self):
+        raise NotImplementedError
+
+
+def check_rpc_method(method) -> str:
+    """Only public ModelRunner methods can be called on the ranks."""
+    if not isinstance(method, str) or method.startswith("_") or not callable(getattr(ModelRunner, method, None)):
+        public = sorted(m for m in vars(ModelRunner) if not m.startswith("_") and callable(getattr(ModelRunner, m)))
+        raise ValueError(f"collective_rpc: {method!r} is not a public ModelRunner method; valid: {', '.join(public)}")
+    return method
+
+
+class UniprocExecutor(Executor):
+    """One rank, in this process."""
+
+    def __init__(self, config: Config):
+        self.runner = ModelRunner(config)
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+
+    def run(self, batch):
+        return self.runner.run(batch)
+
+    def launch(self, batch, previous):
+        return self.runner.launch(batch, previous)
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        return [getattr(self.runner, check_rpc_method(method))(*args, **(kwargs or {}))]
+
+    def shutdown(self):
+        self.runner.release_graphs()
+
+
+def make_executor(config: Config) -> Executor:
+    if config.tensor_parallel_size > 1:
+        from nanovllm.engine.tensor_parallel import MultiprocExecutor
+        return MultiprocExecutor(config)
+    return UniprocExecutor(config)

@@ -1,0 +1,67 @@
+"""The paged KV cache: how many blocks fit, and one tensor for every layer's K and V, bound to the layers."""
+import logging
+
+import torch
+
+from nanovllm.engine.warmup import warmup
+
+logger = logging.getLogger("nanovllm")
+
+
+def block_bytes(runner) -> int:
+    """Bytes of one block across all layers, K and V."""
+    layer = runner.attn_layers[0]
+    itemsize = torch.empty((), dtype=runner.config.torch_dtype).element_size()
+    return 2 * len(runner.attn_layers) * runner.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+
+
+def count_blocks(runner) -> int:
+    """The configured count; else on CUDA what is left after a warm-up at the largest step, on CPU the budget.
+    With tensor parallelism every rank must hold the same blocks: the smallest count wins."""
+    cfg = runner.config
+    if runner.is_cuda:
+        warmup(runner)  # measures the activation peak, and compiles the largest step before the first real one
+    if cfg.num_kvcache_blocks > 0:
+        num_blocks = cfg.num_kvcache_blocks
+    elif runner.is_cuda:
+        num_blocks = _blocks_in_free_gpu_memory(runner)
+    else:
+        num_blocks = int(cfg.cpu_kvcache_gb * 2**30) // block_bytes(runner)
+    if runner.group is not None:
+        num_blocks = runner.group.min(num_blocks, runner.device)
+    return num_blocks
+
+
+def _blocks_in_free_gpu_memory(runner) -> int:
+    """total × gpu_memory_utilization − used − (peak − current), in blocks, after the max-size warm-up."""
+    cfg = runner.config
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    stats = torch.cuda.memory_stats()
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    available = int(total * cfg.gpu_memory_utilization - used - (peak - current))
+    blocks = available // block_bytes(runner)
+    if blocks <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB total, {used / 2**30:.1f} GiB in use, "
+            f"{(peak - current) / 2**30:.1f} GiB activation peak; raise gpu_memory_utilization "
+            f"(now {cfg.gpu_memory_utilization}) or lower max_num_batched_tokens / max_num_seqs")
+    return blocks
+
+
+def allocate(runner, num_blocks: int) -> torch.Tensor:
+    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its K and V views."""
+    cfg = runner.config
+    if num_blocks * runner.block_size < cfg.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks, 0)} blocks x {runner.block_size} tokens, fewer than "
+            f"max_model_len={cfg.max_model_len}: lower max_model_len, or give the cache more room "
+            "(num_kvcache_blocks, cpu_kvcache_gb on CPU, gpu_memory_utilization on GPU)")
+    layer = runner.attn_layers[0]
+    kv_cache = torch.empty(2, len(runner.attn_layers), num_blocks, runner.block_size, layer.num_kv_heads,
+                           layer.head_dim, dtype=cfg.torch_dtype, device=runner.device)
+    for i, attn in enumerate(runner.attn_layers):
+        attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, runner.block_size,
+                num_blocks * block_bytes(runner) / 2**30)
+    return kv_cache

@@ -1,0 +1,117 @@
+"""Logits processors: per-step changes to the logits before sampling, each prepared once per step for the rows
+that need it and skipped entirely when none does. Penalties and min_tokens are processors; grammar bitmasks
+will be one too.
+
+A processor's `prepare` reads the step's sequences (duck-typed: `seq_id`, `sampling_params`, `token_ids`,
+`num_prompt_tokens`, `num_completion_tokens`, `is_finished`) and returns this step's state, or None."""
+from collections.abc import Sequence as Rows
+
+import torch
+
+from nanovllm.utils.context import ToDevice
+
+
+class LogitsProcessor:
+    def prepare(self, seqs: Rows, sampled: list[bool], to_device: ToDevice) -> object | None:
+        """This step's state; None when no row needs the processor. sampled[i]: row i's token is kept
+        (False for a chunk of a longer prefill)."""
+        raise NotImplementedError
+
+    def apply(self, logits: torch.Tensor, state) -> torch.Tensor:
+        """logits [batch, vocab] float32 -> processed logits."""
+        raise NotImplementedError
+
+    def update(self, state, tokens: torch.Tensor):
+        """After sampling: tokens [batch] int64 on the device (for processors that keep a history)."""
+
+
+class MinTokensProcessor(LogitsProcessor):
+    """Until a row has min_tokens completion tokens, EOS and its stop_token_ids may not be sampled."""
+
+    def __init__(self, eos_token_ids: list[int]):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def prepare(self, seqs, sampled, to_device):
+        rows, ids = [], []
+        for i, seq in enumerate(seqs):
+            sp = seq.sampling_params
+            if seq.num_completion_tokens < sp.min_tokens:
+                banned = sp.stop_token_ids + ([] if sp.ignore_eos else self.eos_token_ids)
+                rows += [i] * len(banned)
+                ids += banned
+        return (to_device(rows, torch.int64), to_device(ids, torch.int64)) if rows else None
+
+    def apply(self, logits, state):
+        return logits.index_put(state, torch.tensor(float("-inf"), device=logits.device))
+
+
+class PenaltiesProcessor(LogitsProcessor):
+    """Repetition (HF/CTRL, on prompt and output tokens), presence and frequency (OpenAI, on output tokens).
+
+    The token history stays on the device between steps: each penalized sequence owns a row of two
+    [rows, vocab] buffers (tokens seen in prompt or output; counts of output tokens), filled once from the
+    sequence's tokens and then updated with one scatter per step for the whole batch."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.rows: dict[int, tuple[int, object]] = {}  # seq_id -> (row, sequence)
+        self.free_rows: list[int] = []
+
+    def _grow(self):
+        n = max(16, self.seen.size(0))
+        self.free_rows += range(self.seen.size(0), self.seen.size(0) + n)
+        self.seen = torch.cat([self.seen, torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)])
+        self.counts = torch.cat([self.counts, torch.zeros(n, self.vocab_size, device=self.device)])
+
+    def _row(self, seq) -> int:
+        if seq.seq_id in self.rows:
+            return self.rows[seq.seq_id][0]
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.rows[seq.seq_id] = (row, seq)
+        self.seen[row].zero_()
+        self.counts[row].zero_()
+        known = [t for t in seq.token_ids if t >= 0]  # not async scheduling's placeholders
+        self.seen[row, torch.tensor(known, dtype=torch.long, device=self.device)] = True
+        completion = torch.tensor([t for t in seq.token_ids[seq.num_prompt_tokens:] if t >= 0], dtype=torch.long,
+                                  device=self.device)
+        self.counts[row].index_add_(0, completion, torch.ones(completion.numel(), device=self.device))
+        return row
+
+    def prepare(self, seqs, sampled, to_device):
+        sps = [seq.sampling_params for seq in seqs]
+        if not any(sp.needs_penalties for sp in sps):
+            return None
+        for seq_id, (row, seq) in list(self.rows.items()):  # rows of finished sequences come back
+            if seq.is_finished:
+                del self.rows[seq_id]
+                self.free_rows.append(row)
+        rows = torch.tensor([self._row(seq) for seq in seqs], device=self.device)
+        state = {"rows": rows, "sampled": to_device(sampled, torch.bool)}
+        if any(sp.repetition_penalty != 1 for sp in sps):
+            state["repetition"] = to_device([sp.repetition_penalty for sp in sps], torch.float32)
+            state["seen"] = self.seen[rows]
+        if any(sp.presence_penalty or sp.frequency_penalty for sp in sps):
+            state["presence"] = to_device([sp.presence_penalty for sp in sps], torch.float32)
+            state["frequency"] = to_device([sp.frequency_penalty for sp in sps], torch.float32)
+            state["counts"] = self.counts[rows]
+        return state
+
+    def apply(self, logits, state):
+        if "repetition" in state:  # shrink positive logits, grow negative ones, of every token seen so far
+            penalty = torch.where(state["seen"], state["repetition"].unsqueeze(1), 1.0)
+            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        if "presence" in state:
+            counts = state["counts"]
+            logits = logits - state["presence"].unsqueeze(1) * (counts > 0) - state["frequency"].unsqueeze(1) * counts
+        return logits
+
+    def update(self, state, tokens):
+        """Record the tokens of the rows that really sampled (not a chunk of a longer prefill)."""
+        sampled = state["sampled"]
+        rows, tokens = state["rows"][sampled], tokens[sampled]
+        self.seen[rows, tokens] = True
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
