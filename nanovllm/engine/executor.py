@@ -3,8 +3,8 @@
 `run` executes a step and returns rank 0's sampled tokens; `launch`/`settle` split it for async scheduling;
 `collective_rpc` runs a ModelRunner method on every rank and returns each rank's result (weight updates and
 sleep/wake go through it); `shutdown` frees everything. Two executors today: one rank in this process, and
-tensor-parallel ranks in spawned processes (tensor_parallel.py). Data parallelism and Ray are future executors,
-or a layer over several."""
+tensor-parallel ranks in spawned processes (tensor_parallel.py); LLMEngine picks one. Data parallelism and Ray
+are future executors, or a layer over several."""
 from __future__ import annotations
 
 from nanovllm.config import Config
@@ -62,10 +62,3 @@ class UniprocExecutor(Executor):
 
     def shutdown(self):
         self.runner.release_graphs()
-
-
-def make_executor(config: Config) -> Executor:
-    if config.tensor_parallel_size > 1:
-        from nanovllm.engine.tensor_parallel import MultiprocExecutor
-        return MultiprocExecutor(config)
-    return UniprocExecutor(config)

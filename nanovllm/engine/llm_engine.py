@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from nanovllm.engine.executor import make_executor
+from nanovllm.engine.executor import Executor, UniprocExecutor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -26,6 +26,13 @@ _GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_pe
 def _nothing_to_schedule() -> RuntimeError:
     return RuntimeError("the scheduler could not schedule any sequence; the KV cache is too small for the "
                         "waiting requests")
+
+
+def make_executor(config: Config) -> Executor:
+    if config.tensor_parallel_size > 1:
+        from nanovllm.engine.tensor_parallel import MultiprocExecutor  # spawns ranks 1..N-1
+        return MultiprocExecutor(config)
+    return UniprocExecutor(config)
 
 
 def _num_tokens(batch: ScheduledBatch) -> int:
