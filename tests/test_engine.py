@@ -4,7 +4,7 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -173,3 +173,21 @@ def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     assert shared and seq.num_prefix_hit_tokens == 16
     assert not {slot // 16 for slot in written} & shared
     running.close()
+
+
+def test_collective_rpc_on_one_rank(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
+    [info] = llm.collective_rpc("describe")
+    hf_params = sum(p.numel() for p in hf_model(qwen3_tied).parameters())
+    assert info == {"rank": 0, "device": "cpu", "num_kvcache_blocks": 20, "num_parameters": hf_params,
+                    "cuda_graphs": False}
+    for bad in ("_prepare_decode", "no_such_method", 3):
+        with pytest.raises(ValueError, match="not a public ModelRunner method; valid:.*describe"):
+            llm.collective_rpc(bad)
+    running = llm.stream([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    next(running)
+    with pytest.raises(RuntimeError, match="while requests are running"):
+        llm.collective_rpc("describe")
+    running.close()
+    prompts = _prompts(15, [9])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)

@@ -24,7 +24,7 @@ from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.channel import RpcChannel
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tensor_parallel import WorkerError, check_tensor_parallel
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,6 +145,17 @@ def test_sequence_sends_workers_only_the_tokens_of_the_step():
     copy = pickle.loads(pickle.dumps(seq))
     assert copy.last_token == 99 and copy[99:100] == [99] and len(copy) == 100
     assert len(pickle.dumps(seq)) < 200
+
+
+def test_collective_rpc_reaches_every_rank(tp_tied, qwen3_tied):
+    infos = tp_tied.collective_rpc("describe")
+    assert [i["rank"] for i in infos] == [0, 1] and all(i["num_kvcache_blocks"] == 48 for i in infos)
+    full = sum(p.numel() for p in hf_model(qwen3_tied).parameters())
+    assert all(i["num_parameters"] < full for i in infos)  # each rank holds its shard
+    with pytest.raises(ValueError, match="not a public ModelRunner method"):
+        tp_tied.collective_rpc("__init__")
+    out = tp_tied.generate(_prompts(11, [7]), GREEDY, use_tqdm=False)[0]  # the engine still works
+    assert out["token_ids"] == hf_greedy(qwen3_tied, _prompts(11, [7])[0], GREEDY.max_tokens)
 
 
 def test_sampling_on_rank_0(tp_tied):

@@ -82,6 +82,15 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
+        workers); returns each rank's result, in rank order. E.g. `llm.collective_rpc("describe")`."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if self._pending is not None or not self.scheduler.is_finished():
+            raise RuntimeError("collective_rpc() called while requests are running; finish or abandon them first")
+        return self.executor.collective_rpc(method, tuple(args), kwargs)
+
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -89,6 +89,12 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
+    def describe(self) -> dict:
+        """What this rank holds (for collective_rpc: every rank answers for itself)."""
+        return {"rank": self.rank, "device": str(self.device), "num_kvcache_blocks": self.num_kvcache_blocks,
+                "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "cuda_graphs": self.graphs is not None}
+
     # ---- one step -------------------------------------------------------------------------------
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.is_cuda)
