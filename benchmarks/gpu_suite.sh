@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|sampling|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|eager|sampling|tp_check|tp_tests|tp_bench]...
+# One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
 export PYTHONUNBUFFERED=1
@@ -28,6 +29,8 @@ fi
 if has bench; then
   step bench 240 python3 bench.py --profile --no-tqdm  # async scheduling, the default on one GPU
   step bench_plain 240 python3 bench.py --no-async-scheduling --profile --no-tqdm
+fi
+if has eager; then
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
 fi
 if has sampling; then
