@@ -32,16 +32,19 @@ def test_greedy_matches_transformers(qwen3_tied):
 
 
 def test_chunked_prefill_preemption_and_prefix_hits(qwen3_tied):
+    """Prompts of 40 tokens a step, in 12 blocks: chunked, preempted, and the fourth prompt (the third plus three
+    tokens) is admitted once the third's prefill is done and hits its three full blocks."""
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
               max_num_batched_tokens=40, async_scheduling=True)
     preempted = []
     original = llm.scheduler.preempt
     llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
     prompts = _prompts(1, [30, 35, 60, 20, 45, 33])
-    prompts.append(prompts[2] + [1, 2, 3])
+    prompts.insert(3, prompts[2] + [1, 2, 3])
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert preempted
+    assert [o["num_cached_tokens"] for o in outs] == [0, 0, 0, 48, 0, 0, 0]
     for prompt, out in zip(prompts, outs):
         assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 30)
     assert llm.scheduler.block_manager.num_free_blocks == 12

@@ -15,10 +15,14 @@ def _finish_prefill(bm: BlockManager, seq: Sequence):
 
 
 def test_hash_chain_depends_on_prefix():
-    block = list(range(BS))
-    assert compute_hash(block) == compute_hash(list(block))
-    assert compute_hash(block, 1) != compute_hash(block, 2)
-    assert compute_hash(block) != compute_hash(block[::-1])
+    """A block's hash covers its tokens and the hash of the block before it (-1: the first block)."""
+    x, y = list(range(BS)), list(range(100, 100 + BS))
+    after_x = compute_hash(y, compute_hash(x))
+    assert after_x == compute_hash(list(y), compute_hash(list(x)))  # by value, deterministic
+    assert after_x != compute_hash(y)  # the same tokens as a first block
+    assert after_x != compute_hash(y, compute_hash(y))  # the same tokens after another block
+    assert compute_hash(y, 0) != compute_hash(y)  # prefix 0 is a prefix, not "none"
+    assert compute_hash(x) != compute_hash(x[::-1])
 
 
 def test_allocate_and_free_counts():
@@ -130,3 +134,41 @@ def test_prefix_caching_disabled():
     b = _seq(range(40))
     bm.allocate(b)
     assert b.num_cached_tokens == 0
+
+
+def test_equal_block_after_another_prefix_does_not_hit():
+    """Prefix hashes chain: block Y cached after X is not Y as a first block (its K/V saw X)."""
+    bm = BlockManager(8, BS)
+    x, y = list(range(BS)), list(range(100, 100 + BS))
+    a = _seq(x + y + [1, 2])
+    bm.allocate(a)
+    _finish_prefill(bm, a)
+    b = _seq(y + [3, 4])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.block_table[0] not in a.block_table
+    c = _seq(x + y + [5])  # the same chain does hit
+    bm.allocate(c)
+    assert c.num_cached_tokens == 2 * BS and c.block_table[:2] == a.block_table[:2]
+
+
+def test_least_recently_freed_block_is_evicted_first():
+    """Freed blocks stay cached; new content takes the one freed longest ago, whatever the block ids."""
+    for first, second in ((0, 1), (1, 0)):
+        bm = BlockManager(3, BS)
+        contents = [[10] * BS, [20] * BS]
+        seqs = [_seq(c) for c in contents]
+        for seq in seqs:  # one full block each, computed and cached
+            bm.allocate(seq)
+            _finish_prefill(bm, seq)
+        bm.deallocate(seqs[first])
+        bm.deallocate(seqs[second])
+        new = _seq([30] * (2 * BS))  # two blocks: the never-used one, then the oldest freed one
+        bm.allocate(new)
+        bm.deallocate(new)
+        hits = {}
+        for i in (second, first):  # the survivor first: a probe takes a free block itself
+            probe = _seq(contents[i] + [1])
+            bm.allocate(probe)
+            hits[i] = probe.num_cached_tokens
+            bm.deallocate(probe)
+        assert hits == {first: 0, second: BS}, (first, second)

@@ -26,13 +26,27 @@ def bundled() -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(bundled):
+def gguf_cache(tmp_path_factory) -> str:
+    """The GGUF is converted into a temporary cache, not the user's ~/.cache/nanovllm."""
+    cache = str(tmp_path_factory.mktemp("nanovllm-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOVLLM_CACHE", cache)
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def llm(bundled, gguf_cache):
     with LLM(bundled, max_model_len=1024, num_kvcache_blocks=8, kvcache_block_size=256) as llm:
         yield llm
 
 
 def test_default_model_path_points_at_the_gguf(bundled):
     assert os.path.basename(bundled) == "SmolLM2-135M-Instruct.Q4_1.gguf" and os.path.isfile(bundled)
+
+
+def test_conversion_is_cached_where_nanovllm_cache_says(llm, gguf_cache):
+    entries = os.listdir(os.path.join(gguf_cache, "gguf"))
+    assert len(entries) == 1 and entries[0].startswith("SmolLM2-135M-Instruct.Q4_1-")
 
 
 def test_answers_a_factual_question(llm):

@@ -2,18 +2,33 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
+from tests.tiny_models import CHAT_TEMPLATE, _tokenizer, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SMALL = dict(num_kvcache_blocks=16, kvcache_block_size=16, max_model_len=256)
-# The tiny template, plus a variable a caller can set through chat_template_kwargs.
-TEMPLATE = "{% if terse %}Be brief.\n{% endif %}" + CHAT_TEMPLATE
+BOS, IM_START, IM_END = "<s>", "<|im_start|>", "<|im_end|>"
+# The tiny ChatML template, written after a BOS (as Llama-style templates do), plus a variable a caller can set
+# through chat_template_kwargs.
+TEMPLATE = "{{ bos_token }}{% if terse %}Be brief.\n{% endif %}" + CHAT_TEMPLATE
+
+
+def _chat_checkpoint(path) -> str:
+    """A tiny Llama whose tokenizer has ChatML special tokens and, like Llama's, adds a BOS in encode()."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    make_checkpoint(path, "llama", tie=False, seed=1, vocab_size=len(_tokenizer()) + 3)  # room for 3 new tokens
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"bos_token": BOS, "additional_special_tokens": [IM_START, IM_END]})
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                              special_tokens=[(BOS, tok.bos_token_id)])
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("chat"), "llama", tie=False, seed=1, chat_template=TEMPLATE)
-    with LLM(path, **SMALL) as llm:
+    with LLM(_chat_checkpoint(tmp_path_factory.mktemp("chat")), **SMALL) as llm:
         yield llm
 
 
@@ -22,24 +37,47 @@ def _strip(outputs: list[dict]) -> list[dict]:
     return [{k: v for k, v in o.items() if k != "num_cached_tokens"} for o in outputs]
 
 
-def _ids(llm, conversation, **kwargs) -> list[int]:
-    text = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
+def _expected_ids(llm, conversation, preamble: str = "") -> list[int]:
+    """The prompt written out by hand, not rendered by the template: BOS, the preamble, each message as
+    <|im_start|>role\\ncontent<|im_end|>\\n, then <|im_start|>assistant\\n. Special tokens are spliced in by id and
+    only the plain text between them is encoded (special tokens split the text, so that is how it tokenizes)."""
+    tok = llm.tokenizer
+    bos, start, end = tok.convert_tokens_to_ids([BOS, IM_START, IM_END])
+    assert None not in (bos, start, end) and len({bos, start, end}) == 3
+
+    def text(s: str) -> list[int]:
+        return tok.encode(s, add_special_tokens=False)
+    ids = [bos] + text(preamble)
+    for message in conversation:
+        ids += [start] + text(f"{message['role']}\n{message['content']}") + [end] + text("\n")
+    return ids + [start] + text("assistant\n")
 
 
 def test_one_conversation_equals_generate_on_its_rendering(llm):
     conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False)
+    expected = _expected_ids(llm, conversation)
     assert len(out) == 1 and {"text", "token_ids", "finish_reason"} <= set(out[0])
-    assert _strip(out) == _strip(llm.generate([_ids(llm, conversation)], GREEDY, use_tqdm=False))
+    assert out[0]["prompt_token_ids"] == expected
+    assert _strip(out) == _strip(llm.generate([expected], GREEDY, use_tqdm=False))
+
+
+def test_template_bos_is_not_doubled(llm):
+    """The template writes the BOS; encoding the rendered text must not add the tokenizer's own."""
+    bos = llm.tokenizer.convert_tokens_to_ids(BOS)
+    assert llm.tokenizer.encode("Hello")[0] == bos  # this tokenizer does add one when asked to
+    conversation = [{"role": "user", "content": "Hello world!"}]
+    prompt = llm.chat(conversation, GREEDY, use_tqdm=False)[0]["prompt_token_ids"]
+    assert prompt[0] == bos and prompt.count(bos) == 1
+    assert prompt == _expected_ids(llm, conversation)
 
 
 def test_several_conversations_and_template_kwargs(llm):
     conversations = [[{"role": "user", "content": "Hello world!"}], [{"role": "user", "content": "How are you?"}]]
     out = llm.chat(conversations, GREEDY, use_tqdm=False, chat_template_kwargs={"terse": True})
-    rendered = [_ids(llm, c, terse=True) for c in conversations]
-    assert rendered[0] != _ids(llm, conversations[0])  # the kwarg reached the template
-    assert _strip(out) == _strip(llm.generate(rendered, GREEDY, use_tqdm=False))
+    expected = [_expected_ids(llm, c, preamble="Be brief.\n") for c in conversations]  # the kwarg reached it
+    assert [o["prompt_token_ids"] for o in out] == expected
+    assert _strip(out) == _strip(llm.generate(expected, GREEDY, use_tqdm=False))
 
 
 @pytest.mark.parametrize("messages", [

@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.tiny_models import hf_greedy, hf_model
@@ -74,6 +75,41 @@ def test_chunked_prefill_and_preemption_together(qwen3_tied):
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
 
+def _watch_allocations(llm) -> list[tuple[int, int]]:
+    """(completion tokens, cached tokens) of every sequence the scheduler admits, as it is admitted."""
+    seen = []
+    allocate = llm.scheduler.block_manager.allocate
+
+    def watch(seq):
+        allocate(seq)
+        seen.append((seq.num_completion_tokens, seq.num_cached_tokens))
+    llm.scheduler.block_manager.allocate = watch
+    return seen
+
+
+def test_num_cached_tokens_is_the_hit_of_the_first_admission(qwen3_tied):
+    """Distinct prompts, preempted and recomputed: a readmitted sequence gets its own blocks back from the
+    prefix cache, but the reported num_cached_tokens stays what its first admission hit (0)."""
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192)
+    admissions = _watch_allocations(llm)
+    prompts = _prompts(4, [30, 35, 40, 20, 45, 33])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert any(done and cached for done, cached in admissions), "a readmitted sequence should hit its own blocks"
+    assert [o["num_cached_tokens"] for o in outs] == [0] * len(prompts)
+    assert all(len(o["token_ids"]) == 30 for o in outs)
+
+
+def test_same_block_after_another_prefix_is_not_reused(qwen3_tied):
+    """Prefix-cache hashes chain: a block of the same 16 tokens after another prefix holds other K/V."""
+    llm = LLM(qwen3_tied, kvcache_block_size=16)
+    x, y, tail, tail2 = _prompts(15, [16, 16, 5, 7])
+    assert llm.generate([x + y + tail], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 0
+    out = llm.generate([y + tail2], GREEDY, use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 0
+    _check_exact(qwen3_tied, [out], [y + tail2])
+    assert llm.generate([x + y + tail2], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 32  # the same chain
+
+
 def test_prefix_cache_hit_stays_exact(qwen3_tied):
     llm = LLM(qwen3_tied, kvcache_block_size=16)
     base = _prompts(6, [50])[0]
@@ -90,8 +126,19 @@ def test_prefix_cache_hit_stays_exact(qwen3_tied):
 
 
 def test_prefix_cache_shared_within_batch_and_disabled(qwen3_tied):
+    """Prompts of one call share a 40-token prefix (45, 49 and 53 tokens). With 45 tokens a step, the first
+    prompt is computed alone; the next two are admitted a step later and hit its two full blocks. Called again,
+    each hits its own earlier blocks. Turned off, nothing hits."""
     shared = _prompts(8, [40])[0]
     prompts = [shared + tail for tail in _prompts(9, [5, 9, 13])]
+    llm = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=45)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["num_cached_tokens"] for o in outs] == [0, 32, 32]
+    _check_exact(qwen3_tied, outs, prompts)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["num_cached_tokens"] for o in again] == [32, 48, 48]
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in outs]
+
     llm = LLM(qwen3_tied, kvcache_block_size=16, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o["num_cached_tokens"] == 0 for o in outs)
@@ -191,3 +238,27 @@ def test_collective_rpc_on_one_rank(qwen3_tied):
     running.close()
     prompts = _prompts(15, [9])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_bfloat16_on_cpu(qwen3_tied):
+    """dtype="bfloat16" runs on CPU. Its greedy tokens are float32's up to near-ties: on the sequence it generated,
+    each token is within 0.25 nats of the best under transformers in float32, its logprob is within 0.25 of
+    float32's, and the first token is float32's. The logprobs are not float32's to the bit: bfloat16 did run."""
+    prompts = _prompts(16, [5, 17, 40])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128, dtype="bfloat16")
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    largest_difference = 0.0
+    for prompt, out in zip(prompts, outs):
+        tokens = out["token_ids"]
+        with torch.no_grad():
+            logits = hf_model(qwen3_tied)(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits.float(), -1)
+        chosen = reference[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert float((reference.max(-1).values - chosen).max()) < 0.25
+        ours = torch.tensor([lp[t] for t, lp in zip(tokens, out["logprobs"])])
+        difference = float((ours - chosen).abs().max())
+        assert difference < 0.25
+        largest_difference = max(largest_difference, difference)
+        assert tokens[0] == hf_greedy(qwen3_tied, prompt, 1)[0]
+    assert largest_difference > 1e-3

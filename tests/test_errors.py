@@ -1,10 +1,16 @@
 """Every bad input gets a clear ValueError/TypeError, and the engine keeps working after it."""
+import os
+import re
+import shutil
+
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.tiny_models import hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +79,18 @@ def test_bad_sampling_params(kwargs, error, match):
         SamplingParams(**kwargs)
 
 
-def test_prompt_that_never_fits_in_the_cache(qwen3_tied):
+def test_smallest_cache_runs_a_max_model_len_prompt(qwen3_tied):
+    """A cache of fewer than max_model_len tokens is refused at start, so every prompt within max_model_len fits:
+    with the smallest cache accepted, a max_model_len prompt runs (one token, then "length"), a longer one is
+    refused by the max_model_len check."""
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=3, max_model_len=64)
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=64)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([list(range(65))], GREEDY, use_tqdm=False)
+    prompt = [(7 * i + 2) % 400 for i in range(64)]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 1) and out["finish_reason"] == "length"
+    with pytest.raises(ValueError, match="65 tokens, more than max_model_len=64"):
+        llm.generate([prompt + [5]], GREEDY, use_tqdm=False)
     _still_exact(llm, qwen3_tied)
 
 
@@ -110,10 +124,72 @@ def test_missing_model_path(tmp_path):
         LLM(str(tmp_path))
 
 
+def _parameters(llm) -> dict:
+    """The engine's model parameters by name (an engine internal)."""
+    return dict(llm.executor.runner.model.named_parameters())
+
+
 def test_dummy_weights_run(qwen3_tied):
-    llm = LLM(qwen3_tied, load_format="dummy", kvcache_block_size=16)
-    out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
-    assert len(out["token_ids"]) == 8
+    """load_format="dummy": random weights drawn from the seed (norms 1), not the checkpoint's. (The tiny dummy
+    model repeats its input token whatever the seed, so the seeds are told apart by logprobs.)"""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    engines = [LLM(qwen3_tied, load_format="dummy", seed=seed, **SMALL) for seed in (0, 0, 1)]
+    first, same, other = (llm.generate([prompt], sp, use_tqdm=False)[0] for llm in engines)
+    assert len(first["token_ids"]) == 8 and first["token_ids"] != hf_greedy(qwen3_tied, prompt, 8)
+    assert (same["token_ids"], same["logprobs"]) == (first["token_ids"], first["logprobs"])
+    assert other["logprobs"] != first["logprobs"]
+    params = _parameters(engines[0])
+    norms = [name for name in params if name.endswith("norm.weight")]
+    assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q and k norms; then the final norm
+    assert all(bool((params[name] == 1).all()) for name in norms)
+    assert all(params[name].std() > 0 for name in params if name not in norms)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tensors(qwen3_tied) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(qwen3_tied, "model.safetensors"))
+
+
+def _edited_checkpoint(source: str, folder, tensors: dict) -> str:
+    """A copy of checkpoint `source` (config, tokenizer) whose weights are `tensors`."""
+    from safetensors.torch import save_file
+    shutil.copytree(source, folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_checkpoint_tensor_without_a_parameter(qwen3_tied, checkpoint_tensors, tmp_path):
+    name = "model.layers.0.mlp.extra_proj.weight"
+    path = _edited_checkpoint(qwen3_tied, tmp_path / "ckpt", {**checkpoint_tensors, name: torch.zeros(4, 64)})
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{name}' matches no parameter"):
+        LLM(path, **SMALL)
+
+
+@pytest.mark.parametrize("name, reported", [
+    ("model.layers.1.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"),
+    ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
+    ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+])
+def test_checkpoint_without_a_weight(qwen3_tied, checkpoint_tensors, tmp_path, name, reported):
+    tensors = {k: v for k, v in checkpoint_tensors.items() if k != name}
+    path = _edited_checkpoint(qwen3_tied, tmp_path / "ckpt", tensors)
+    with pytest.raises(ValueError, match=f"lacks weights for: .*{re.escape(reported)}"):
+        LLM(path, **SMALL)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("model.norm.weight", (65,)),  # ValueError without the tensor's name
+    ("model.layers.0.self_attn.o_proj.weight", (64, 60)),  # RuntimeError from narrow
+    ("model.layers.0.self_attn.o_proj.weight", (1, 64)),  # silently broadcast
+    ("model.layers.0.self_attn.q_proj.weight", (80, 64)),  # silently narrowed
+    ("model.embed_tokens.weight", (401, 64)),  # silently narrowed
+])
+def test_checkpoint_weight_of_the_wrong_shape(qwen3_tied, checkpoint_tensors, tmp_path, name, shape):
+    path = _edited_checkpoint(qwen3_tied, tmp_path / "ckpt", {**checkpoint_tensors, name: torch.ones(shape)})
+    with pytest.raises(ValueError, match=re.escape(name)):
+        LLM(path, **SMALL)
 
 
 def test_shutdown(qwen3_tied):

@@ -134,3 +134,47 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, qwen2, qwen3"):
         LLM(path)
+
+
+def _metadata_only_gguf(path, skip: tuple[str, ...] = (), **extra) -> str:
+    """A Llama GGUF file of model metadata only (no tokenizer, no tensors): enough to reach the config checks.
+    skip: GGUFWriter add_* methods not to call; extra: more add_* calls, by method name."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), "llama")
+    fields = dict(add_block_count=2, add_context_length=256, add_embedding_length=64, add_feed_forward_length=128,
+                  add_head_count=4, add_head_count_kv=2, add_rope_dimension_count=16, add_vocab_size=400, **extra)
+    for method, value in fields.items():
+        if method not in skip:
+            getattr(writer, method)(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("skip, missing", [
+    (("add_feed_forward_length", "add_context_length"), "intermediate_size, max_position_embeddings"),
+    (("add_embedding_length",), "hidden_size"),
+    (("add_embedding_length", "add_rope_dimension_count"), "hidden_size, head_dim"),
+])
+def test_gguf_without_required_metadata(tmp_path, skip, missing):
+    path = _metadata_only_gguf(tmp_path / "incomplete.gguf", skip=skip)
+    with pytest.raises(ValueError, match=f"lacks metadata for {missing}; is it a complete llama model file"):
+        LLM(path)
+
+
+def test_gguf_with_rope_scaling_is_refused(tmp_path):
+    import gguf
+    path = _metadata_only_gguf(tmp_path / "scaled.gguf", add_rope_scaling_type=gguf.RopeScalingType.LINEAR)
+    with pytest.raises(ValueError, match="rope scaling 'linear' is not supported"):
+        LLM(path)
+
+
+def test_gguf_tensor_with_no_place_in_the_model(tiny_llama, gguf_cache, tmp_path):
+    import numpy as np
+    path = make_gguf(tiny_llama[0], tmp_path / "extra.gguf",
+                     extra_tensors={"blk.0.attn_extra.weight": np.zeros((4, 64), np.float32)})
+    with pytest.raises(ValueError, match="GGUF tensor 'blk.0.attn_extra.weight' has no place"):
+        LLM(path)
+    assert os.listdir(os.path.join(gguf_cache, "gguf")) == []  # no half-converted entry is left to be reused

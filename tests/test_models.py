@@ -92,3 +92,17 @@ def test_sliding_window_shorter_than_max_model_len(tmp_path):
     with LLM(path, max_model_len=32, num_kvcache_blocks=4, kvcache_block_size=16) as llm:
         out = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(path, PROMPTS[1], GREEDY.max_tokens)
+
+
+def test_checkpoint_names_route_by_whole_segments():
+    """Packed q/k/v and gate/up are found by whole trailing module segments, never by substring: an expert's
+    gate_proj (MoE) or a module whose name merely contains gate_proj stays itself."""
+    from nanovllm.models.decoder import DecoderForCausalLM
+    from nanovllm.utils.loader import route_weight
+    packed = DecoderForCausalLM.packed_modules_mapping
+    assert route_weight("model.layers.3.self_attn.k_proj.bias", packed) == \
+        ("model.layers.3.self_attn.qkv_proj.bias", "k")
+    assert route_weight("model.layers.0.mlp.up_proj.weight", packed) == ("model.layers.0.mlp.gate_up_proj.weight", 1)
+    for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.shared_gate_proj.weight",
+                 "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.cross_attn.q_proj.weight"):
+        assert route_weight(name, packed) == (name, None)

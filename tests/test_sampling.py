@@ -53,6 +53,15 @@ def test_seed_is_independent_of_the_batch(llm):
     assert twice[0]["token_ids"] == twice[1]["token_ids"] == alone
 
 
+def test_seeded_request_is_independent_of_prompt_chunking(llm, qwen3_tied):
+    """A prefill chunk that samples nothing draws nothing from a seeded request's generator."""
+    prompt = _prompts(15, [40])[0]
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=77)
+    whole = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    chunked = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=16)  # 16 + 16 + 8 prompt tokens
+    assert chunked.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"] == whole
+
+
 def test_stop_strings_cut_the_text(llm):
     prompt = "Once upon a time"
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
@@ -254,6 +263,34 @@ def test_incremental_detokenizer_multibyte():
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_detokenizer_flush_inside_a_multibyte_character():
+    """Tokens that end inside a character: flush releases the held-back bytes as U+FFFD, once."""
+    tok = _tokenizer()
+    ids = tok.encode("café €")
+    assert len(tok.encode("€")) == 3 and ids[-3:] == tok.encode("€")  # one byte per token
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.add(t) for t in ids[:-1]) == "café "  # the first two bytes of € are held back
+    assert detok.flush() == "\ufffd"
+    assert detok.text == tok.decode(ids[:-1]) == "café \ufffd"
+    assert detok.flush() == "" and detok.text == "café \ufffd"
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm, qwen3_tied):
+    """skip_special_tokens=False keeps special tokens in the text, in generate and in stream; True drops them.
+    This prompt's greedy continuation holds the EOS token (ignore_eos runs past it)."""
+    prompt = [141, 267, 120, 110, 347, 301, 214, 296, 140, 230, 252, 338, 328, 358, 182, 42, 166, 313, 59]
+    tok, eos = llm.tokenizer, "<|endoftext|>"
+    params = {skip: SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, skip_special_tokens=skip)
+              for skip in (False, True)}
+    kept, skipped = (llm.generate([prompt], params[skip], use_tqdm=False)[0] for skip in (False, True))
+    assert kept["token_ids"] == skipped["token_ids"] == hf_greedy(qwen3_tied, prompt, 4)
+    assert tok.convert_tokens_to_ids(eos) in kept["token_ids"]
+    assert kept["text"].count(eos) == 1 and eos not in skipped["text"]
+    assert kept["text"].replace(eos, "") == skipped["text"]
+    for skip in (False, True):  # streaming decodes incrementally: the same texts
+        assert "".join(item["text"] for item in llm.stream([prompt], params[skip])) == (kept, skipped)[skip]["text"]
 
 
 def test_prompt_token_ids_in_output(llm):

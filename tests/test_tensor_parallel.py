@@ -4,6 +4,7 @@ leaves no process and no shared-memory segment. Marked GPU tests check NCCL on t
 
 Spawning a worker costs a few seconds (it imports torch), so engines are shared where possible."""
 import glob
+import math
 import multiprocessing
 import os
 import pickle
@@ -158,10 +159,26 @@ def test_collective_rpc_reaches_every_rank(tp_tied, qwen3_tied):
     assert out["token_ids"] == hf_greedy(qwen3_tied, _prompts(11, [7])[0], GREEDY.max_tokens)
 
 
-def test_sampling_on_rank_0(tp_tied):
-    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    a = tp_tied.generate(_prompts(5, [8, 8]), sp, use_tqdm=False)
-    assert all(len(o["token_ids"]) == 12 for o in a)
+def test_sampling_on_rank_0(tp_tied, qwen3_tied):
+    """Rank 0 samples from the gathered logits as one rank does: seeded sampling, penalties and logprobs equal
+    TP=1's (logprobs up to rounding: the ranks add their partial sums in another order)."""
+    prompts = _prompts(5, [8, 20, 140])  # 140 tokens are chunked at 128 a step
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=11),
+        SamplingParams(temperature=0.8, top_k=50, max_tokens=12, ignore_eos=True, seed=12, logprobs=3,
+                       repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.3,
+                       logprobs=2),
+    ]
+    single = LLM(qwen3_tied, max_num_batched_tokens=128, **{**TP_OPTIONS, "tensor_parallel_size": 1})
+    expected = single.generate(prompts, params, use_tqdm=False)
+    outs = tp_tied.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs) == _tokens(expected)
+    assert [len(o.get("logprobs", [])) for o in outs] == [0, 12, 12]
+    for out, ref in zip(outs, expected):
+        for got, want in zip(out.get("logprobs", []), ref.get("logprobs", [])):
+            assert got.keys() == want.keys()
+            assert all(math.isclose(got[t], want[t], abs_tol=1e-4) for t in want)
 
 
 # ---- the channel ----------------------------------------------------------------------------------

@@ -101,9 +101,10 @@ def _permute_for_gguf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE) -> str:
+def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE,
+              extra_tensors: dict | None = None) -> str:
     """Write a tiny Llama or Qwen2 checkpoint directory as an F32 GGUF file, laid out as llama.cpp's converter does
-    (which permutes the q/k rows of Llama models only)."""
+    (which permutes the q/k rows of Llama models only). extra_tensors: more tensors, {GGUF name: numpy array}."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -151,6 +152,8 @@ def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE) 
         elif arch == "llama" and base.endswith("k_proj"):
             w = _permute_for_gguf(w, config.num_key_value_heads)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", w.float().numpy())
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

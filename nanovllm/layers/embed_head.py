@@ -4,6 +4,7 @@ from torch import nn
 
 from nanovllm.utils.context import get_context
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
+from nanovllm.utils.loader import check_weight_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,6 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_weight_shape(loaded, (self.num_embeddings, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
+from nanovllm.utils.loader import check_weight_shape
 
 
 class LinearBase(nn.Module):
@@ -24,7 +25,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        if self.tp_dim is not None and param.dim() > self.tp_dim:
+        full = list(param.shape)  # the unsharded shape the checkpoint holds
+        sharded = self.tp_dim is not None and param.dim() > self.tp_dim
+        if sharded:
+            full[self.tp_dim] *= self.tp_size
+        check_weight_shape(loaded, full)
+        if sharded:
             size = param.size(self.tp_dim)
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         param.data.copy_(loaded)
@@ -48,6 +54,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+        check_weight_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         dst = param.data.narrow(0, offset, size)
@@ -66,6 +73,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        check_weight_shape(loaded, (size * self.tp_size, *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 

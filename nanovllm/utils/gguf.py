@@ -179,7 +179,7 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]):
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden // heads,
+        head_dim=key("attention.key_length") or key("rope.dimension_count") or (hidden and heads and hidden // heads),
         max_position_embeddings=key("context_length"),
         rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=float(key("rope.freq_base", 10000.0)),  # transformers 5 moves it into rope_parameters

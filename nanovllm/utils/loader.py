@@ -71,9 +71,14 @@ def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def check_weight_shape(loaded: torch.Tensor, expected) -> None:
+    """Weight loaders call this before copying: a wrong shape must never be broadcast or narrowed into place."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(expected)}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    check_weight_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
@@ -91,13 +96,25 @@ def route_weight(name: str, packed: dict) -> tuple[str, object | None]:
     return name, None
 
 
+def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
+    """(checkpoint name, shard id) of every shard routed into parameter `pname`; [] when it is not packed."""
+    module, _, leaf = pname.rpartition(".")
+    *parent, name = module.split(".")
+    sources = []
+    for src, (dst, shard_id) in packed.items():
+        *src_parent, src_name = src.split(".")
+        if name == dst and parent[len(parent) - len(src_parent):] == src_parent:
+            sources.append((".".join(parent + [src_name, leaf]), shard_id))
+    return sources
+
+
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str):
     """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too);
-    every parameter must be loaded. `source` names where the weights came from, for errors."""
+    every parameter, and every shard of a packed one, must be loaded. `source` names the weights' origin."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
-    loaded_names = set()
+    loaded = set()  # parameter names, and (parameter name, shard id) for packed ones
     for name, tensor in weights:
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
@@ -105,12 +122,21 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[pname]
-        if shard_id is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
-        loaded_names.add(pname)
-    missing = [n for n in params if n not in loaded_names]
+        try:
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        loaded.add(pname if shard_id is None else (pname, shard_id))
+    missing = []
+    for pname in params:
+        sources = _packed_sources(pname, packed)
+        if sources:
+            missing += [name for name, shard_id in sources if (pname, shard_id) not in loaded]
+        elif pname not in loaded:
+            missing.append(pname)
     if missing:
         raise ValueError(f"checkpoint {source!r} lacks weights for: {', '.join(missing[:8])}")
 
