@@ -16,6 +16,12 @@ def check_seed(seed: int, name: str = "seed"):
         raise ValueError(f"{name} must fit in 64 bits ([-2**63, 2**64)), got {seed}")
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample i of a request with n > 1: seed + i (as vLLM), wrapped into the 64-bit range."""
+    seed += sample_index
+    return seed - 2**64 if seed >= 2**64 else seed
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation options (names as in vLLM).
@@ -23,6 +29,9 @@ class SamplingParams:
     temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
     logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens
     plus the sampled one, from the model's distribution before penalties, temperature and filtering.
+    prompt_logprobs=k returns, for every prompt token after the first, its log-probability and the k most
+    likely tokens' (k=0: the prompt token's only), from the raw distribution.
+    n: completions per prompt; the prompt is prefilled once and its KV blocks are shared by the samples.
     """
 
     temperature: float = 1.0
@@ -36,10 +45,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    n: int = 1
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -50,12 +61,14 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
             setattr(self, name, float(value))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if self.top_k < -1:
@@ -77,8 +90,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")

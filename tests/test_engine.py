@@ -231,6 +231,8 @@ def test_collective_rpc_on_one_rank(qwen3_tied):
     for bad in ("_prepare_decode", "no_such_method", 3):
         with pytest.raises(ValueError, match="not a public ModelRunner method; valid:.*describe"):
             llm.collective_rpc(bad)
+    with pytest.raises(TypeError, match="bad arguments for ModelRunner.sleep"):
+        llm.collective_rpc("sleep", kwargs={"depth": 1})
     running = llm.stream([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     next(running)
     with pytest.raises(RuntimeError, match="while requests are running"):

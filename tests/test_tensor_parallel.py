@@ -155,8 +155,38 @@ def test_collective_rpc_reaches_every_rank(tp_tied, qwen3_tied):
     assert all(i["num_parameters"] < full for i in infos)  # each rank holds its shard
     with pytest.raises(ValueError, match="not a public ModelRunner method"):
         tp_tied.collective_rpc("__init__")
+    with pytest.raises(TypeError, match="bad arguments for ModelRunner.describe"):  # refused before any rank runs it
+        tp_tied.collective_rpc("describe", args=(1,))
     out = tp_tied.generate(_prompts(11, [7]), GREEDY, use_tqdm=False)[0]  # the engine still works
     assert out["token_ids"] == hf_greedy(qwen3_tied, _prompts(11, [7])[0], GREEDY.max_tokens)
+
+
+def test_rl_jobs_under_tp(tp_tied, qwen3_tied, tmp_path):
+    """n samples, prompt logprobs, weight updates (sharded to every rank) and sleep/wake over two ranks."""
+    from tests.tiny_models import make_checkpoint
+    other = make_checkpoint(tmp_path / "b", "qwen3", tie=True, num_kv_heads=2, seed=1)
+    prompt = _prompts(12, [21])[0]
+    out = tp_tied.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True,
+                                                    prompt_logprobs=1), use_tqdm=False)[0]
+    assert [o["token_ids"] for o in out["outputs"]] == [hf_greedy(qwen3_tied, prompt, 8)] * 3
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(qwen3_tied)(torch.tensor([prompt])).logits[0].float(), -1)
+    assert all(abs(out["prompt_logprobs"][p][prompt[p]] - reference[p - 1, prompt[p]].item()) < 1e-4
+               for p in range(1, len(prompt)))
+    try:
+        with pytest.raises(ValueError, match="does not match the expected"):  # checked before any rank changes
+            tp_tied.update_weights({"model.norm.weight": torch.ones(3)})
+        tp_tied.update_weights(hf_model(other).state_dict())
+        assert tp_tied.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == \
+            hf_greedy(other, prompt, GREEDY.max_tokens)
+        tp_tied.sleep(level=1)
+        tp_tied.wake_up()
+        assert tp_tied.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == \
+            hf_greedy(other, prompt, GREEDY.max_tokens)
+    finally:  # the engine is shared by this module's tests
+        tp_tied.update_weights(qwen3_tied)
+    assert tp_tied.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == \
+        hf_greedy(qwen3_tied, prompt, GREEDY.max_tokens)
 
 
 def test_sampling_on_rank_0(tp_tied, qwen3_tied):

@@ -1,5 +1,5 @@
 """What one step carries through the engine: the scheduler's choice, the runner's tensors, a launched step."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,12 +12,24 @@ from nanovllm.utils.context import Context
 class ScheduledBatch:
     """The scheduler's output for one step; the executor sends it to every rank."""
 
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # the sequences whose tokens this step computes
     is_prefill: bool
-    # Where each sequence's sampled token goes in its token_ids; -1 for a chunk of a longer prefill, whose
-    # sampled token is thrown away. Fixed at scheduling time, so a step settled later (async scheduling) still
-    # knows its place after placeholders were appended.
+    # For every row of `rows`: where its sampled token goes in its token_ids; -1 for a chunk of a longer prefill,
+    # whose sampled token is thrown away. Fixed at scheduling time, so a step settled later (async scheduling)
+    # still knows its place after placeholders were appended.
     out_index: list[int]
+    # n > 1: samples forked from seqs[row] as its prompt completes; each samples its first token from that row's
+    # logits. They compute nothing this step.
+    forks: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy): K/V to copy after the step
+    # prompt_logprobs: (index into seqs, positions) for sequences whose prompt logprobs this step computes: the
+    # logits at its first `positions` new tokens score the prompt tokens that follow them.
+    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the sampled tokens."""
+        return self.seqs + [child for child, _ in self.forks] if self.forks else self.seqs
 
     @property
     def sampled(self) -> list[bool]:
@@ -26,13 +38,26 @@ class ScheduledBatch:
 
 @dataclass
 class ForwardBatch:
-    """The runner's tensors for one step, each part built by the part that reads it: attention metadata and the
-    LM head's logits_indices in `context` (by the attention backend), `sampling` by the sampler (rank 0)."""
+    """The runner's tensors for one step, each part built by the part that reads it: the attention metadata in
+    `context` by the attention backend (the runner adds the LM head's logits_indices), `sampling` by the sampler
+    and its logits processors (rank 0)."""
 
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
     context: Context
     sampling: SamplingTensors | None
+    prompt_rows: torch.Tensor | None = None  # [rows] int64: hidden rows whose logits score prompt tokens
+    prompt_hidden: torch.Tensor | None = None  # those rows' hidden states, kept by run_model
+
+
+@dataclass
+class StepOutput:
+    """What rank 0 reads back from a step, one entry per row of the batch's `rows`."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
+    # per sequence of ScheduledBatch.prompt_logprobs: a dict {token id: logprob} per scored prompt token
+    prompt_logprobs: list[list[dict[int, float]]] | None = None
 
 
 @dataclass
@@ -43,4 +68,5 @@ class PendingStep:
     tokens: torch.Tensor  # [batch] on the device: the next step's input ids are taken from here
     tokens_host: torch.Tensor  # a copy in host memory (pinned on CUDA), valid once `ready` has passed
     logprobs_host: tuple | None = None
+    prompt_logprobs: list | None = None  # already on the host (prefill steps are waited for)
     ready: "torch.cuda.Event | None" = None

@@ -65,13 +65,32 @@ class BlockManager:
             self.free_block_ids[block_id] = None
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks
+        """Room for the sequence's blocks, and for the copies its forks will need (see `fork`)."""
+        return self.num_free_blocks >= seq.num_blocks + self.fork_blocks(seq)
+
+    def fork_blocks(self, seq: Sequence) -> int:
+        """Blocks the forks of `seq` take at the end of its prefill: one copy each of a partly filled last block."""
+        return len(seq.forks) if seq.forks and seq.num_tokens % self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` the K/V of the parent's prompt: its full blocks are shared (reference counts); a partly
+        filled last block gets a copy of its own, since both will write their next tokens into it. Returns
+        (source block, copy) for the caller to copy the K/V, or None."""
+        full = parent.num_tokens // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:full]
+        if len(parent.block_table) == full:
+            return None
+        copy = self._take_free_block()
+        child.block_table.append(copy)
+        return parent.block_table[full], copy
 
     def allocate(self, seq: Sequence):
         """Give `seq` blocks for all its tokens, reusing cached leading blocks where they match."""
         assert not seq.block_table, "sequence already has blocks"
         prefix_hash = -1
-        hit = self.enable_prefix_caching
+        hit = self.enable_prefix_caching and not seq.needs_prompt_logprobs  # (cached positions have no logits)
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             block_id = -1
@@ -103,6 +122,15 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (their K/V were computed with other weights, or freed). Only while no
+        sequence holds blocks."""
+        if self.used_block_ids:
+            raise RuntimeError("the prefix cache can be reset only while no sequence holds KV blocks")
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
 
     def can_append(self, seq: Sequence) -> bool:
         return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)

@@ -7,8 +7,10 @@ tensor-parallel ranks in spawned processes (tensor_parallel.py); LLMEngine picks
 are future executors, or a layer over several."""
 from __future__ import annotations
 
+import inspect
+
 from nanovllm.config import Config
-from nanovllm.engine.batch import PendingStep, ScheduledBatch
+from nanovllm.engine.batch import PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.model_runner import ModelRunner
 
 
@@ -16,15 +18,15 @@ class Executor:
     runner: ModelRunner  # rank 0's, in this process
     num_kvcache_blocks: int  # blocks every rank holds; the scheduler's budget
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None]:
-        """Run one step on every rank; rank 0's (sampled token ids, logprob dicts or None)."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step on every rank; what rank 0 sampled."""
         raise NotImplementedError
 
     def launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> PendingStep:
         """Start a step without waiting for its tokens (async scheduling)."""
         raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
 
-    def settle(self, step: PendingStep) -> tuple[list[int], list | None]:
+    def settle(self, step: PendingStep) -> StepOutput:
         """Wait for a launched step's tokens."""
         return self.runner.settle(step)
 
@@ -36,11 +38,16 @@ class Executor:
         raise NotImplementedError
 
 
-def check_rpc_method(method) -> str:
-    """Only public ModelRunner methods can be called on the ranks."""
+def check_rpc_call(method, args: tuple, kwargs: dict) -> str:
+    """Only public ModelRunner methods, with arguments they take: checked here, since a call that fails on a
+    worker rank brings the engine down."""
     if not isinstance(method, str) or method.startswith("_") or not callable(getattr(ModelRunner, method, None)):
         public = sorted(m for m in vars(ModelRunner) if not m.startswith("_") and callable(getattr(ModelRunner, m)))
         raise ValueError(f"collective_rpc: {method!r} is not a public ModelRunner method; valid: {', '.join(public)}")
+    try:
+        inspect.signature(getattr(ModelRunner, method)).bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"collective_rpc: bad arguments for ModelRunner.{method}: {e}") from None
     return method
 
 
@@ -58,7 +65,8 @@ class UniprocExecutor(Executor):
         return self.runner.launch(batch, previous)
 
     def collective_rpc(self, method, args=(), kwargs=None):
-        return [getattr(self.runner, check_rpc_method(method))(*args, **(kwargs or {}))]
+        kwargs = kwargs or {}
+        return [getattr(self.runner, check_rpc_call(method, args, kwargs))(*args, **kwargs)]
 
     def shutdown(self):
         self.runner.release_graphs()

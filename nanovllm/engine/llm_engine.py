@@ -1,13 +1,14 @@
 import atexit
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import ScheduledBatch
+from nanovllm.engine.batch import ScheduledBatch, StepOutput
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from nanovllm.engine.executor import Executor, UniprocExecutor
 from nanovllm.engine.scheduler import Scheduler
@@ -64,6 +65,8 @@ class LLMEngine:
         self.default_sampling_params = default_sampling_params(config.model)
         self._closed = False
         self._pending = None  # async scheduling: the decode step launched and not yet settled
+        self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
+        self._weights_discarded = False  # sleep(level=2) until update_weights
         atexit.register(self.exit)
 
     def exit(self):
@@ -82,14 +85,78 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
-        workers); returns each rank's result, in rank order. E.g. `llm.collective_rpc("describe")`."""
+    def _check_idle(self, what: str):
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         if self._pending is not None or not self.scheduler.is_finished():
-            raise RuntimeError("collective_rpc() called while requests are running; finish or abandon them first")
+            raise RuntimeError(f"{what}() called while requests are running (an unfinished stream, or requests "
+                               "added with add_request); finish or abandon them first")
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
+        workers); returns each rank's result, in rank order. E.g. `llm.collective_rpc("describe")`."""
+        self._check_idle("collective_rpc")
         return self.executor.collective_rpc(method, tuple(args), kwargs)
+
+    # ---- RL loops: new weights, and the GPU memory back while training -----------------------------
+    def update_weights(self, weights) -> None:
+        """Load new weights in place: (name, tensor) pairs, a state dict, or a checkpoint directory, with the
+        checkpoint's parameter names (q/k/v and gate/up are fused as when loading; a subset is fine). Every name
+        and shape is checked before any weight changes (ValueError). Refused while requests are running; the
+        prefix cache is emptied, so nothing computed with the old weights is reused. While asleep, the weights
+        are woken up first (after sleep(level=2) this is how they come back)."""
+        self._check_idle("update_weights")
+        if isinstance(weights, (str, os.PathLike)):
+            weights = os.fspath(weights)
+            if not os.path.isdir(weights):
+                raise ValueError(f"update_weights: {weights!r} is not a checkpoint directory")
+        elif isinstance(weights, Mapping):
+            weights = list(weights.items())
+        elif isinstance(weights, Iterable):
+            weights = list(weights)
+        else:
+            raise TypeError(f"update_weights takes (name, tensor) pairs, a state dict or a checkpoint directory, "
+                            f"got {type(weights).__name__}")
+        self.executor.runner.check_weights(weights)
+        if "weights" in self._asleep:
+            self.wake_up(["weights"])
+        if self.config.tensor_parallel_size > 1 and not isinstance(weights, str):  # they travel pickled
+            weights = [(name, tensor.detach().cpu()) for name, tensor in weights]
+        self.executor.collective_rpc("update_weights", (weights,))
+        self.scheduler.block_manager.reset_prefix_cache()
+        self._weights_discarded = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory between generate calls (vLLM's levels): 1 frees the KV cache and the CUDA graphs and
+        moves the weights to host memory; 2 frees the weights too (send new ones with update_weights). The prefix
+        cache is emptied. Until wake_up(), generate raises."""
+        self._check_idle("sleep")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got {level!r}")
+        if self._asleep:
+            raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call wake_up()")
+        self.executor.collective_rpc("sleep", (level,))
+        self.scheduler.block_manager.reset_prefix_cache()
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = level == 2
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep() freed: tags "weights" and/or "kv_cache" (default both; the weights must be
+        awake before the KV cache, whose CUDA graphs read them)."""
+        self._check_idle("wake_up")
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; valid: 'weights', 'kv_cache'")
+        if "kv_cache" in tags and "weights" not in tags and "weights" in self._asleep:
+            raise RuntimeError("wake_up(['kv_cache']) needs the weights awake first: wake_up(['weights'])")
+        tags = [t for t in ("weights", "kv_cache") if t in tags and t in self._asleep]
+        if tags:
+            self.executor.collective_rpc("wake_up", (tags,))
+            self._asleep -= set(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -120,11 +187,34 @@ class LLMEngine:
         bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if (sampling_params.logprobs or 0) > self.vocab_size:
-            raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {self.vocab_size}")
-        return Sequence(self._tokenize(prompt), self.config.kvcache_block_size, sampling_params)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(sampling_params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name}={getattr(sampling_params, name)} exceeds the vocabulary size "
+                                 f"{self.vocab_size}")
+        n, cfg = sampling_params.n, self.config
+        if n > cfg.max_num_seqs:
+            raise ValueError(f"n={n} samples run side by side, more than max_num_seqs={cfg.max_num_seqs}: lower n "
+                             "or raise max_num_seqs")
+        token_ids = self._tokenize(prompt)
+        seq = Sequence(token_ids, cfg.kvcache_block_size, sampling_params)
+        seq.forks = [Sequence(token_ids, cfg.kvcache_block_size, sampling_params, i) for i in range(1, n)]
+        needed = seq.num_blocks + self.scheduler.block_manager.fork_blocks(seq)
+        if needed > self.num_kvcache_blocks:
+            raise ValueError(f"the prompt and its n={n} samples need {needed} KV blocks to start, but the cache has "
+                             f"{self.num_kvcache_blocks}: lower n or give the KV cache more room")
+        return seq
+
+    def _check_awake(self):
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} freed by sleep()); call "
+                               "wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError("the weights were freed by sleep(level=2); load new ones with update_weights()")
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
+        """Queue one request for step(); returns its first sample (with n > 1, the others are in `.forks` until
+        its prompt is prefilled, then they run as sequences of their own)."""
+        self._check_awake()
         seq = self.make_sequence(prompt, sampling_params)
         self.scheduler.add(seq)
         return seq
@@ -139,7 +229,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise _nothing_to_schedule()
-        return self._apply(batch, *self.executor.run(batch)), _num_tokens(batch)
+        return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
 
     def _step_async(self) -> tuple[list[Sequence], int]:
         """Launch decode step N+1 before waiting for step N's tokens, so the CPU schedules and prepares while
@@ -154,7 +244,7 @@ class LLMEngine:
                 return self._settle(), _num_tokens(pending.batch)
             raise _nothing_to_schedule()
         if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
-            return self._apply(batch, *self.executor.run(batch)), _num_tokens(batch)
+            return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
         self._pending = self.executor.launch(batch, pending)
         for seq in batch.seqs:
             seq.append_token(PENDING_TOKEN)
@@ -164,10 +254,10 @@ class LLMEngine:
         """Wait for a launched step's tokens and apply them."""
         if step is None or step is self._pending:
             step, self._pending = self._pending, None
-        return self._apply(step.batch, *self.executor.settle(step))
+        return self._apply(step.batch, self.executor.settle(step))
 
-    def _apply(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None) -> list[Sequence]:
-        updated = self.scheduler.postprocess(batch, token_ids, logprobs)
+    def _apply(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
+        updated = self.scheduler.postprocess(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
         self._update_texts(updated)
         return updated
 
@@ -204,21 +294,28 @@ class LLMEngine:
         skip = seq.sampling_params.skip_special_tokens
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
 
-    def _output(self, seq: Sequence) -> dict:
-        out = {
-            "text": self._text(seq),
-            "token_ids": seq.completion_token_ids,
-            "prompt_token_ids": seq.prompt_token_ids,
-            "finish_reason": seq.finish_reason,
-            "num_cached_tokens": max(seq.num_prefix_hit_tokens, 0),
-        }
+    def _sample_output(self, seq: Sequence) -> dict:
+        out = {"text": self._text(seq), "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
         if seq.sampling_params.logprobs is not None:
             out["logprobs"] = seq.logprobs
         return out
 
-    def _make_sequences(self, prompts, sampling_params, stream: bool) -> list[Sequence]:
+    def _output(self, samples: list[Sequence]) -> dict:
+        """One prompt's result: its first sample's fields at the top level (as with n=1), every sample in
+        "outputs", and what the prompt shares."""
+        first = samples[0]
+        outputs = [self._sample_output(seq) for seq in samples]
+        out = {**outputs[0], "prompt_token_ids": first.prompt_token_ids,
+               "num_cached_tokens": max(first.num_prefix_hit_tokens, 0), "outputs": outputs}
+        if first.sampling_params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = first.prompt_logprobs
+        return out
+
+    def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
+        """Each prompt's samples (n sequences; the first carries the others as forks until its prefill)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
+        self._check_awake()
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -237,20 +334,22 @@ class LLMEngine:
             raise RuntimeError("generate() called while other requests are still running (an unfinished "
                                "stream, or requests added with add_request)")
         # Validate every request before queueing any, so a bad one leaves the engine untouched.
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            sp = seq.sampling_params
+        requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params))]
+        for samples in requests:
+            sp = samples[0].sampling_params
             if (stream or sp.stop_strings) and self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+                for seq in samples:
+                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
             elif sp.stop_strings:
                 raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
-        return seqs
+        return requests
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> Iterator[list[Sequence]]:
-        """Drive the engine until `seqs` are done, yielding the sequences updated by each step.
+    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[list[Sequence]]:
+        """Drive the engine until every request is done, yielding the sequences updated by each step.
         If the caller stops early or a step fails, unfinished sequences are aborted."""
-        for seq in seqs:
-            self.scheduler.add(seq)
+        seqs = [seq for samples in requests for seq in samples]
+        for samples in requests:
+            self.scheduler.add(samples[0])
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tput = decode_tput = 0.0
         try:
@@ -276,37 +375,39 @@ class LLMEngine:
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, stream: bool = False) -> list[dict] | Iterator[dict]:
-        """Generate for every prompt. Returns one dict per prompt, in order: text, token_ids,
-        prompt_token_ids, finish_reason ("stop" or "length"), num_cached_tokens (and logprobs when asked).
+        """Generate for every prompt. Returns one dict per prompt, in order: text, token_ids, finish_reason
+        ("stop" or "length") and logprobs (when asked) of the first sample; "outputs", a list of every sample's
+        text, token_ids, finish_reason (and logprobs); prompt_token_ids, num_cached_tokens (and prompt_logprobs).
         With stream=True, returns an iterator of per-step deltas instead (see `stream`)."""
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
-        seqs = self._make_sequences(prompts, sampling_params, stream=False)
-        for _ in self._run(seqs, use_tqdm):
+        requests = self._make_requests(prompts, sampling_params, stream=False)
+        for _ in self._run(requests, use_tqdm):
             pass
-        return [self._output(seq) for seq in seqs]
+        return [self._output(samples) for samples in requests]
 
     def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                use_tqdm: bool = False) -> Iterator[dict]:
         """Yield results as they are produced: one dict per sequence per step with "index" (the prompt's
-        position), "text" (new text), "token_ids" (new token ids), "finished" and "finish_reason"
-        (and "logprobs" for the new tokens when asked). Concatenated, the deltas equal generate()'s output.
+        position), "sample_index" (which of its n samples), "text" (new text), "token_ids" (new token ids),
+        "finished" and "finish_reason" (and "logprobs" for the new tokens when asked). Concatenated, each sample's
+        deltas equal its generate() output.
         Requests are validated here, before the first item is yielded."""
-        seqs = self._make_sequences(prompts, sampling_params, stream=True)
-        return self._stream(seqs, use_tqdm)
+        requests = self._make_requests(prompts, sampling_params, stream=True)
+        return self._stream(requests, use_tqdm)
 
-    def _stream(self, seqs: list[Sequence], use_tqdm: bool) -> Iterator[dict]:
-        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
+        index = {seq.seq_id: i for i, samples in enumerate(requests) for seq in samples}
         emitted = dict.fromkeys(index, 0)  # characters of text already yielded
-        for updated in self._run(seqs, use_tqdm):
+        for updated in self._run(requests, use_tqdm):
             for seq in updated:
                 text, stops = self._text(seq), seq.sampling_params.stop_strings
                 # hold back what could still turn out to be the start of a stop string
                 end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
                 start = emitted[seq.seq_id]
                 emitted[seq.seq_id] = max(start, end)
-                item = {"index": index[seq.seq_id], "text": text[start:end], "token_ids": [seq.new_token],
-                        "finished": seq.is_finished, "finish_reason": seq.finish_reason}
+                item = {"index": index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],
+                        "token_ids": [seq.new_token], "finished": seq.is_finished, "finish_reason": seq.finish_reason}
                 if seq.sampling_params.logprobs is not None:
                     item["logprobs"] = seq.logprobs[-1:]
                 yield item

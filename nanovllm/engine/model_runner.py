@@ -6,7 +6,7 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.engine import kv_cache
-from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch
+from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.warmup import warmup_prefill_variants
 from nanovllm.layers.attention import Attention, get_backend
@@ -15,7 +15,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import TPGroup, building_for
-from nanovllm.utils.loader import init_dummy_weights, load_weights
+from nanovllm.utils.loader import init_dummy_weights, iter_weights, load_named_weights, load_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -32,7 +32,8 @@ def _default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     """One rank's model, KV cache and decode graphs: turns a ScheduledBatch into a ForwardBatch, runs the model
-    and (rank 0) samples. It knows nothing of other ranks; an executor drives one runner per rank."""
+    and (rank 0) samples. An executor drives one runner per rank; a runner knows no other process, only the
+    group its layers' collectives (and the KV block count) use."""
 
     def __init__(self, config: Config, rank: int = 0, group: TPGroup | None = None):
         self.config = config
@@ -57,6 +58,7 @@ class ModelRunner:
         self.num_kvcache_blocks = kv_cache.count_blocks(self)
         self.kv_cache = kv_cache.allocate(self, self.num_kvcache_blocks)
         self.graphs = self._capture_graphs()
+        self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
 
     def _load_model(self) -> nn.Module:
         cfg = self.config
@@ -68,11 +70,12 @@ class ModelRunner:
                 load_weights(model, cfg.model)
         return model.eval()
 
-    def _capture_graphs(self):
+    def _capture_graphs(self, warm_up: bool = True):
         """Decode CUDA graphs, after a warm-up of every prefill kernel variant (they JIT here, not mid-run)."""
         if not self.is_cuda:
             return None
-        warmup_prefill_variants(self)
+        if warm_up:
+            warmup_prefill_variants(self)
         if self.config.enforce_eager:
             return None
         if not self.backend.supports_cuda_graphs:
@@ -88,6 +91,64 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+
+    # ---- weights and memory, for RL loops (called on every rank through collective_rpc) -----------------
+    def _layout_copy(self) -> nn.Module:
+        """This rank's model on the meta device: same names, shards and loaders, no memory."""
+        with _default_dtype(self.config.torch_dtype), torch.device("meta"), building_for(self.group):
+            return build_model(self.config.hf_config)
+
+    def check_weights(self, weights: list | str):
+        """Raise ValueError/TypeError for a name or shape that does not fit, without changing any weight
+        (the same routing and checks as loading, run against a meta copy)."""
+        load_named_weights(self._layout_copy(), iter_weights(weights) if isinstance(weights, str) else weights,
+                           weights if isinstance(weights, str) else "update_weights", require_all=False)
+
+    @torch.inference_mode()
+    def update_weights(self, weights: list | str):
+        """Copy (name, tensor) pairs, or a checkpoint directory's tensors, into this rank's shards in place (CUDA
+        graphs keep pointing at the same memory)."""
+        source = weights if isinstance(weights, str) else "update_weights"
+        load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
+                           require_all=False)
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def sleep(self, level: int):
+        """Free the KV cache and the decode graphs; level 1 keeps the weights in host memory (on CUDA; on CPU they
+        stay where they are), level 2 frees them (update_weights brings new ones)."""
+        self.release_graphs()
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+        if level == 2 or self.is_cuda:
+            self.offloaded = {}
+            for name, param in self.model.named_parameters():
+                if level == 1:
+                    host = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                    self.offloaded[name] = host.copy_(param.data)
+                else:  # keep only what a new allocation needs
+                    self.offloaded[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        if self.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]):
+        """Bring back what sleep freed: "weights" (copied back, or allocated uninitialized after level 2) and
+        "kv_cache" (the same number of blocks; decode graphs are captured again)."""
+        if "weights" in tags and self.offloaded is not None:
+            params = dict(self.model.named_parameters())
+            for name, saved in self.offloaded.items():
+                params[name].data = torch.empty(saved.shape, dtype=saved.dtype, device=self.device)
+                if saved.device.type != "meta":
+                    params[name].data.copy_(saved)
+            self.offloaded = None
+        if "kv_cache" in tags and self.kv_cache is None:
+            self.kv_cache = kv_cache.allocate(self, self.num_kvcache_blocks)
+            self.graphs = self._capture_graphs(warm_up=False)
+        if self.is_cuda:
+            torch.cuda.synchronize()
 
     def describe(self) -> dict:
         """What this rank holds (for collective_rpc: every rank answers for itself)."""
@@ -105,7 +166,8 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in seqs)
         return [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
 
-    def _prepare_prefill(self, seqs: list[Sequence]) -> ForwardBatch:
+    def _prepare_prefill(self, batch: ScheduledBatch) -> ForwardBatch:
+        seqs = batch.seqs
         input_ids, positions, slot_mapping = [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         for seq in seqs:
@@ -123,10 +185,15 @@ class ModelRunner:
         has_history = cu_seqlens_k[-1] > cu_seqlens_q[-1]
         context = self.backend.prefill_context(self._to_device, cu_seqlens_q, cu_seqlens_k, slot_mapping,
                                                self._padded_tables(seqs) if has_history else None)
-        # each sequence's last new token: the only position whose logits are sampled
-        context.logits_indices = self._to_device([n - 1 for n in cu_seqlens_q[1:]], torch.int64)
-        return ForwardBatch(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                            context, None)
+        # each sequence's last new token: the only position whose logits are sampled (forks sample their parent's)
+        last = [n - 1 for n in cu_seqlens_q[1:]]
+        context.logits_indices = self._to_device(last + [last[row] for _, row in batch.forks], torch.int64)
+        fb = ForwardBatch(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                          context, None)
+        if batch.prompt_logprobs:  # the first `count` new tokens of those sequences score the prompt
+            rows = [r for i, count in batch.prompt_logprobs for r in range(cu_seqlens_q[i], cu_seqlens_q[i] + count)]
+            fb.prompt_rows = self._to_device(rows, torch.int64)
+        return fb
 
     def _prepare_decode(self, seqs: list[Sequence]) -> ForwardBatch:
         input_ids, positions, slot_mapping, context_lens = [], [], [], []
@@ -143,10 +210,10 @@ class ModelRunner:
         """This step's tensors. Under async scheduling, a sequence whose input is the token `previous` sampled (still
         a placeholder on the host) takes it straight from the device."""
         seqs = batch.seqs
-        fb = self._prepare_prefill(seqs) if batch.is_prefill else self._prepare_decode(seqs)
+        fb = self._prepare_prefill(batch) if batch.is_prefill else self._prepare_decode(seqs)
         if previous is not None:
             source = {seq.seq_id: (row, index) for row, (seq, index)
-                      in enumerate(zip(previous.batch.seqs, previous.batch.out_index))}
+                      in enumerate(zip(previous.batch.rows, previous.batch.out_index))}
             rows = []
             for seq in seqs:
                 row, index = source.get(seq.seq_id, (-1, -1))
@@ -155,7 +222,7 @@ class ModelRunner:
                 rows = self._to_device(rows, torch.int64)
                 fb.input_ids = torch.where(rows >= 0, previous.tokens[rows.clamp(min=0)], fb.input_ids)
         if self.rank == 0:
-            fb.sampling = self.sampler.prepare(seqs, batch.sampled, self._to_device)
+            fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device)
         return fb
 
     @torch.inference_mode()
@@ -166,6 +233,8 @@ class ModelRunner:
             hidden = self.graphs.replay(fb.input_ids, fb.positions, fb.context)
         else:
             hidden = self.model(fb.input_ids, fb.positions)
+        if fb.prompt_rows is not None:
+            fb.prompt_hidden = hidden[fb.prompt_rows]
         return self.model.compute_logits(hidden)
 
     def launch(self, batch: ScheduledBatch, previous: PendingStep | None = None) -> PendingStep | None:
@@ -174,12 +243,15 @@ class ModelRunner:
         try:
             fb = self.prepare(batch, previous)
             logits = self.run_model(fb)
+            if batch.block_copies:
+                self._copy_blocks(batch.block_copies)
+            prompt_logprobs = self._prompt_logprobs(batch, fb) if batch.prompt_logprobs else None
             if self.rank != 0:
                 return None
             tokens, logprobs = self.sampler(logits, fb.sampling, self.generator)
             step = PendingStep(batch, tokens, self._to_host(tokens),
                                tuple(self._to_host(t) if t is not None else None for t in logprobs)
-                               if logprobs is not None else None)
+                               if logprobs is not None else None, prompt_logprobs)
             if self.is_cuda:
                 step.ready = torch.cuda.Event()
                 step.ready.record()
@@ -187,19 +259,68 @@ class ModelRunner:
         finally:
             reset_context()
 
-    def settle(self, step: PendingStep) -> tuple[list[int], list | None]:
-        """Wait for a launched step's tokens (only for that step, not for what was launched after it):
-        (sampled token ids, per-sequence logprob dicts or None)."""
+    def settle(self, step: PendingStep) -> StepOutput:
+        """Wait for a launched step's tokens (only for that step, not for what was launched after it)."""
         if step.ready is not None:
             step.ready.synchronize()
         tokens = step.tokens_host.tolist()
-        logprobs = self._logprob_dicts(step.batch.seqs, tokens, step.logprobs_host) if step.logprobs_host else None
-        return tokens, logprobs
+        logprobs = self._logprob_dicts(step.batch.rows, tokens, step.logprobs_host) if step.logprobs_host else None
+        return StepOutput(tokens, logprobs, step.prompt_logprobs)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None] | None:
+    # Prompt logprobs score many positions: their logits are made this many rows at a time, so a long prompt never
+    # holds [tokens, vocab] float32 at once.
+    PROMPT_LOGPROBS_CHUNK = 1024
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, fb: ForwardBatch) -> list[list[dict[int, float]]] | None:
+        """Every rank computes the LM head over the scored rows (tensor parallelism gathers on rank 0); rank 0
+        returns, per sequence of batch.prompt_logprobs, {token: logprob} for the prompt token each row scores,
+        plus the k most likely (k = its prompt_logprobs), from the raw distribution."""
+        hidden, k = fb.prompt_hidden, 0
+        if self.rank == 0:
+            targets, ks = [], []
+            for i, count in batch.prompt_logprobs:
+                seq = batch.seqs[i]
+                start = seq.num_cached_tokens + 1  # the tokens after the scored positions
+                targets += seq[start : start + count] if count else []
+                ks.append(seq.sampling_params.prompt_logprobs)
+            k = max(ks)
+            targets = self._to_device(targets, torch.int64)
+        chosen, top_values, top_ids = [], [], []
+        for a in range(0, hidden.size(0), self.PROMPT_LOGPROBS_CHUNK):
+            logits = self.model.compute_logits(hidden[a : a + self.PROMPT_LOGPROBS_CHUNK], all_rows=True)
+            if self.rank != 0:
+                continue
+            logprobs = torch.log_softmax(logits.float(), -1)
+            chosen.append(logprobs.gather(1, targets[a : a + logits.size(0), None]).squeeze(1))
+            if k:
+                top = logprobs.topk(k, -1)
+                top_values.append(top.values)
+                top_ids.append(top.indices)
+        if self.rank != 0:
+            return None
+        chosen = torch.cat(chosen).tolist() if chosen else []
+        top_values = torch.cat(top_values).tolist() if top_values else []
+        top_ids = torch.cat(top_ids).tolist() if top_ids else []
+        targets, out, row = targets.tolist(), [], 0
+        for (_, count), seq_k in zip(batch.prompt_logprobs, ks):
+            scored = []
+            for r in range(row, row + count):
+                d = dict(zip(top_ids[r][:seq_k], top_values[r][:seq_k])) if seq_k else {}
+                d[targets[r]] = chosen[r]
+                scored.append(d)
+            out.append(scored)
+            row += count
+        return out
+
+    def run(self, batch: ScheduledBatch) -> StepOutput | None:
         """One step, waited for; rank 0 returns what `settle` returns, other ranks None."""
         step = self.launch(batch)
         return self.settle(step) if step is not None else None
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]):
+        """Copy whole KV blocks (every layer, K and V), after the step that wrote the sources."""
+        src, dst = (self._to_device(list(ids), torch.int64) for ids in zip(*copies))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.is_cuda:

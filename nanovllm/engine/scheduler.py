@@ -37,8 +37,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _can_admit(self, seq: Sequence) -> bool:
-        # admitted sequences join running, which max_num_seqs bounds
-        return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
+        # admitted sequences (and the samples forked from them) join running, which max_num_seqs bounds
+        return len(self.running) + len(seq.forks) < self.max_num_seqs and self.block_manager.can_allocate(seq)
 
     def can_prefill(self) -> bool:
         """Whether the next schedule() would be a prefill (the head of waiting is mid-prefill or fits)."""
@@ -46,6 +46,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         scheduled: list[Sequence] = []
+        forks: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
         budget = self.max_num_batched_tokens
         # Prefill: admit waiting sequences; the one at the head may be mid-way through a chunked prefill.
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
@@ -65,9 +67,24 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            # Its prompt completes this step: its other samples share the prompt's K/V and sample their first
+            # tokens from the same logits (n > 1).
+            for child in seq.forks:
+                copy = self.block_manager.fork(seq, child)
+                if copy is not None:
+                    copies.append(copy)
+                child.num_prefix_hit_tokens = seq.num_prefix_hit_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                forks.append((child, len(scheduled) - 1))
+            seq.forks = []
         if scheduled:
-            return ScheduledBatch(scheduled, True, [seq.num_tokens if seq.samples_this_step else -1
-                                                    for seq in scheduled])
+            out_index = [seq.num_tokens if seq.samples_this_step else -1 for seq in scheduled]
+            out_index += [child.num_tokens for child, _ in forks]
+            # the logits of positions start..min(end, prompt length - 1) score the prompt tokens after them
+            scored = [(i, min(seq.num_cached_tokens + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+                       - seq.num_cached_tokens) for i, seq in enumerate(scheduled) if seq.needs_prompt_logprobs]
+            return ScheduledBatch(scheduled, True, out_index, forks, copies, scored)
 
         # Decode: one token per running sequence.
         done_when_settled = []  # async scheduling: their token in flight already ends them (length)
@@ -96,15 +113,21 @@ class Scheduler:
         mid_prefill = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if mid_prefill else 0, seq)
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None,
+                    prompt_logprobs: list | None = None) -> list[Sequence]:
         """After a step: count the K/V it computed, put each sampled token at its out_index, and finish sequences on
         EOS, stop token ids or length. Returns the sequences that received a token.
 
         The plain loop calls this right after the step: the token is appended. Under async scheduling the step was
         launched a step earlier: the token replaces the placeholder the engine appended at launch, and meanwhile
         the sequence may have finished (this token is then spare work) or been preempted (no K/V left to count)."""
+        for (i, _), scored in zip(batch.prompt_logprobs, prompt_logprobs or ()):
+            seq = batch.seqs[i]
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context to score it
+            seq.prompt_logprobs.extend(scored)
         updated = []
-        for i, (seq, index, token_id) in enumerate(zip(batch.seqs, batch.out_index, token_ids)):
+        for i, (seq, index, token_id) in enumerate(zip(batch.rows, batch.out_index, token_ids)):
             if seq.is_finished:
                 continue
             if seq.block_table:

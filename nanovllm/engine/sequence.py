@@ -18,7 +18,8 @@ class Sequence:
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None):
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None,
+                 sample_index: int = 0):
         sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
@@ -41,12 +42,16 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.new_token = -1  # the token the last settled step added (streaming reports it)
         self.detokenizer = None  # IncrementalDetokenizer when text is needed while generating
+        self.sample_index = sample_index  # which of the request's n samples this is
+        # Samples 1..n-1 of the request (on sample 0 only), forked from it when its prompt's prefill completes.
+        self.forks: list[Sequence] = []
+        self.prompt_logprobs: list[dict[int, float] | None] = []  # sample 0, with prompt_logprobs
 
     def __len__(self) -> int:
         return self.num_tokens
 
     def __getitem__(self, key: int | slice):
-        if self.token_offset:  # a worker's copy; prepare_prefill slices from token_offset on
+        if self.token_offset:  # a worker's copy; _prepare_prefill slices from token_offset on
             key = slice(key.start - self.token_offset, key.stop - self.token_offset)
         return self.token_ids[key]
 
@@ -65,6 +70,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt_logprobs and has not got them all yet (rank 0)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def samples_this_step(self) -> bool:
@@ -103,7 +113,7 @@ class Sequence:
         if index == self.num_tokens - 1:
             self.last_token = token_id
 
-    # Workers only read the tokens this step computes (prepare_prefill: seq[start:end]; prepare_decode:
+    # Workers only read the tokens this step computes (_prepare_prefill: seq[start:end]; _prepare_decode:
     # last_token), so only those travel, with token_offset saying where they start. The phase cannot be
     # told from the state: a decode step and the one-token prefill of a preempted sequence whose blocks
     # all come back from the prefix cache look alike, and both need just the last token.

@@ -1,7 +1,7 @@
 """Tensor parallelism: rank 0 spawns ranks 1..N-1 and drives them with a tiny RPC over shared memory.
 
 Rank 0 (the user's process) schedules, samples and holds the tokenizer. `MultiprocExecutor` pickles
-(method, args) into a shared-memory segment, wakes every worker through its own event and then runs the
+(method, (args, kwargs, reply)) into a shared-memory segment, wakes every worker through its own event and then runs the
 method on rank 0's ModelRunner; each worker runs the same method on its shard of the weights, and the
 collectives inside the model (all_reduce, gather) join the results. Workers answer only `collective_rpc`
 calls (over their pipe); a step's tokens come from rank 0 alone. The channel is in channel.py;
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.channel import ChannelEnd, RpcChannel
-from nanovllm.engine.executor import Executor, check_rpc_method
+from nanovllm.engine.executor import Executor, check_rpc_call
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils.distributed import TPGroup
 
@@ -69,7 +69,8 @@ class MultiprocExecutor(Executor):
         return self.workers.call(self.runner, "run", (batch,))
 
     def collective_rpc(self, method, args=(), kwargs=None):
-        return self.workers.call(self.runner, check_rpc_method(method), tuple(args), kwargs or {}, reply=True)
+        kwargs = kwargs or {}
+        return self.workers.call(self.runner, check_rpc_call(method, args, kwargs), tuple(args), kwargs, reply=True)
 
     def shutdown(self):
         self.runner.release_graphs()
@@ -222,7 +223,8 @@ class Workers:
                     raise self.error()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise WorkerError(f"tensor-parallel workers did not {what} within {TIMEOUT_S:.0f}s")
+                    self.failure = f"a worker failure: tensor-parallel workers did not {what} within {TIMEOUT_S:.0f}s"
+                    raise self.error()
                 self._cond.wait(min(remaining, 1.0))
 
     def wait_for(self, kind: str):

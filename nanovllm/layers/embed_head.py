@@ -39,8 +39,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("LM heads with a bias are not supported")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        indices = get_context().logits_indices
+    def forward(self, x: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
+        indices = None if all_rows else get_context().logits_indices
         if indices is not None:
             x = x[indices]
         logits = F.linear(x, self.weight)

@@ -7,6 +7,7 @@ from torch import nn
 
 from nanovllm.layers.compile import compiled
 from nanovllm.layers.logits_processors import LogitsProcessor, MinTokensProcessor, PenaltiesProcessor
+from nanovllm.sampling_params import sample_seed
 from nanovllm.utils.context import ToDevice
 
 
@@ -68,8 +69,9 @@ class Sampler(nn.Module):
                 st.processors.append((processor, state))
         for i, (seq, sp, keep) in enumerate(zip(seqs, sps, sampled)):
             if sp.seed is not None and not sp.greedy and keep:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+                if seq.generator is None:  # sample i of n draws from seed + i
+                    seq.generator = torch.Generator(device=self.device).manual_seed(
+                        sample_seed(sp.seed, seq.sample_index))
                 st.generators = (st.generators or []) + [(i, seq.generator)]
         st.num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
         return st

@@ -138,5 +138,6 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
+        """Logits of the rows the step's Context asks for (all_rows: of every row given)."""
+        return self.lm_head(hidden, all_rows)

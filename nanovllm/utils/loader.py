@@ -108,14 +108,19 @@ def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
     return sources
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str):
-    """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too);
-    every parameter, and every shard of a packed one, must be loaded. `source` names the weights' origin."""
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
+                       require_all: bool = True):
+    """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too).
+    require_all: every parameter, and every shard of a packed one, must be loaded (a checkpoint); otherwise any
+    subset may be (a weight update). `source` names the weights' origin, for errors."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
     loaded = set()  # parameter names, and (parameter name, shard id) for packed ones
     for name, tensor in weights:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weights must be (name, tensor) pairs with a str name, got ({name!r:.60}, "
+                            f"{type(tensor).__name__})")
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
         pname, shard_id = route_weight(name, packed)
@@ -130,6 +135,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
         loaded.add(pname if shard_id is None else (pname, shard_id))
+    if not require_all:
+        return
     missing = []
     for pname in params:
         sources = _packed_sources(pname, packed)

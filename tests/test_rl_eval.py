@@ -1,0 +1,297 @@
+"""Offline jobs: n samples per prompt, prompt log-probabilities, weight updates in place, sleep and wake.
+Token-exact against transformers in float32 on tiny random checkpoints."""
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def _samples(out: dict) -> list[list[int]]:
+    return [o["token_ids"] for o in out["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def qwen3_b(tmp_path_factory):
+    """The same architecture as qwen3_tied with other weights."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_b"), "qwen3", tie=True, num_kv_heads=2, seed=1)
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+# ---- n samples per prompt -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [16, 21])  # a full last prompt block (shared), a partial one (copied)
+def test_greedy_n_gives_n_equal_samples_equal_to_transformers(llm, qwen3_tied, length):
+    prompt = _prompts(0, [length])[0]
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    expected = hf_greedy(qwen3_tied, prompt, 12)
+    assert _samples(out) == [expected] * 4
+    assert out["token_ids"] == expected and out["text"] == out["outputs"][0]["text"]
+    assert [o["finish_reason"] for o in out["outputs"]] == ["length"] * 4
+    assert _all_blocks_free(llm)
+
+
+def test_the_prompt_is_computed_once(llm):
+    prompt = _prompts(1, [37])[0]
+    computed = []
+    step = llm.step
+    llm.step = lambda: (lambda r: (computed.append(r[1]), r)[1])(step())
+    try:
+        out = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0]
+    finally:
+        del llm.step
+    assert sum(n for n in computed if n > 0) == len(prompt)  # one prefill of the prompt, for all 5 samples
+    assert all(len(ids) == 6 for ids in _samples(out))
+
+
+def test_seeded_samples_differ_repeat_and_ignore_their_batch(llm):
+    prompt = _prompts(2, [21])[0]
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=1)
+    alone = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert len({tuple(s) for s in _samples(alone)}) == 4  # the samples differ from each other
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert _samples(again) == _samples(alone)
+    for a, b in zip(again["outputs"], alone["outputs"]):  # (the second run reads its prompt from the cache)
+        assert all(x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+                   for x, y in zip(a["logprobs"], b["logprobs"]))
+    others = _prompts(3, [5, 30, 12])
+    mixed = llm.generate([others[0], prompt, others[1], others[2]],
+                         [SamplingParams(n=3, temperature=0.8, max_tokens=14, ignore_eos=True), sp,
+                          SamplingParams(temperature=0.5, max_tokens=8, ignore_eos=True, repetition_penalty=1.2),
+                          SamplingParams(n=2, temperature=0, max_tokens=9, ignore_eos=True)], use_tqdm=False)
+    assert _samples(mixed[1]) == _samples(alone)
+    assert [len(o["outputs"]) for o in mixed] == [3, 4, 1, 2]
+    assert _all_blocks_free(llm)
+
+
+def test_n_with_a_cache_too_small_preempts_and_stays_exact(qwen3_tied):
+    # 4 samples of 20 + 40 tokens need 16 blocks of 16; the cache has 10: decode must preempt samples
+    small = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=10, max_model_len=128)
+    preempted = []
+    preempt = small.scheduler.preempt
+    small.scheduler.preempt = lambda seq: (preempted.append(seq.sample_index), preempt(seq))
+    prompts = _prompts(4, [20, 9])
+    outs = small.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)
+    assert preempted
+    for prompt, out in zip(prompts, outs):
+        assert _samples(out) == [hf_greedy(qwen3_tied, prompt, 40)] * 4
+    assert _all_blocks_free(small)
+
+
+def test_n_streams_each_sample_and_stops_each_on_its_own(llm):
+    prompts = _prompts(5, [10, 18])
+    base = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True, stop=base[1]["text"][4:7])]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["finish_reason"] for o in expected[1]["outputs"]] == ["stop", "stop"]
+    streamed: dict[tuple[int, int], list[int]] = {}
+    for item in llm.stream(prompts, params):
+        streamed.setdefault((item["index"], item["sample_index"]), []).extend(item["token_ids"])
+    assert streamed == {(i, j): o["token_ids"] for i, out in enumerate(expected)
+                        for j, o in enumerate(out["outputs"])}
+
+
+def test_n_under_async_scheduling_equals_the_plain_loop(qwen3_tied):
+    prompts = _prompts(6, [7, 23, 40])
+    params = [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=12, ignore_eos=True, frequency_penalty=0.4),
+              SamplingParams(n=2, temperature=0, max_tokens=15, ignore_eos=True, logprobs=2),
+              SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True)]
+    results = [LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=30, max_model_len=128,
+                   async_scheduling=overlap).generate(prompts, params, use_tqdm=False) for overlap in (False, True)]
+    assert [o["outputs"] for o in results[0]] == [o["outputs"] for o in results[1]]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(n=0), ValueError, "n must be >= 1"),
+    (dict(n=2.0), TypeError, "n must be an int"),
+    (dict(prompt_logprobs=-1), ValueError, "prompt_logprobs must be None or an int >= 0"),
+])
+def test_bad_n_and_prompt_logprobs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_requests_that_can_never_run_are_refused(llm, qwen3_tied):
+    small = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128, max_num_seqs=4)
+    with pytest.raises(ValueError, match="more than max_num_seqs=4"):
+        small.generate([[1, 2, 3]], SamplingParams(n=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="need 10 KV blocks to start, but the cache has 8"):  # 7 + 3 copies
+        small.generate([list(range(100))], SamplingParams(n=4, max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs=401 exceeds the vocabulary"):
+        small.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=401), use_tqdm=False)
+    prompt = _prompts(7, [9])[0]
+    assert small.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+    assert _all_blocks_free(small)
+
+
+# ---- prompt log-probabilities ---------------------------------------------------------------------
+
+def _reference_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
+    """transformers' log_softmax at every prompt position, float32: row p scores token p + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
+
+
+def _check_prompt_logprobs(path: str, prompt: list[int], scored: list, k: int):
+    reference = _reference_logprobs(path, prompt)
+    assert len(scored) == len(prompt) and scored[0] is None
+    for p in range(1, len(prompt)):
+        row, entry = reference[p - 1], scored[p]
+        top = row.topk(k)
+        assert set(entry) == {prompt[p], *top.indices.tolist()}
+        for token, value in entry.items():
+            assert abs(value - row[token].item()) <= 1e-4, (p, token)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_equal_transformers(llm, qwen3_tied, k):
+    prompts = _prompts(8, [1, 2, 17, 70])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        _check_prompt_logprobs(qwen3_tied, prompt, out["prompt_logprobs"], k)
+
+
+def test_prompt_logprobs_under_chunked_prefill_and_with_n(qwen3_tied):
+    chunked = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256,
+                  max_num_batched_tokens=30)
+    prompts = _prompts(9, [75, 12, 44])
+    outs = chunked.generate(prompts, [SamplingParams(max_tokens=3, prompt_logprobs=2, n=3, temperature=0.7, seed=1),
+                                      GREEDY, SamplingParams(max_tokens=2, prompt_logprobs=1)], use_tqdm=False)
+    _check_prompt_logprobs(qwen3_tied, prompts[0], outs[0]["prompt_logprobs"], 2)
+    _check_prompt_logprobs(qwen3_tied, prompts[2], outs[2]["prompt_logprobs"], 1)
+    assert "prompt_logprobs" not in outs[1] and len(outs[0]["outputs"]) == 3
+    assert outs[1]["token_ids"] == hf_greedy(qwen3_tied, prompts[1], 12)
+
+
+def test_prompt_logprobs_after_a_prefix_cache_hit(llm, qwen3_tied):
+    """A request with prompt_logprobs computes its whole prompt (cached positions have no logits): it takes no
+    prefix hit, but its blocks still serve others."""
+    base = _prompts(10, [40])[0]
+    llm.generate([base], GREEDY, use_tqdm=False)  # its blocks are now cached
+    longer = base + _prompts(11, [10])[0]
+    out = llm.generate([longer], SamplingParams(max_tokens=4, prompt_logprobs=0, temperature=0), use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 0
+    _check_prompt_logprobs(qwen3_tied, longer, out["prompt_logprobs"], 0)
+    assert out["token_ids"] == hf_greedy(qwen3_tied, longer, 4)
+    again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 48
+
+
+# ---- weight updates -------------------------------------------------------------------------------
+
+def test_update_weights_in_place(qwen3_tied, qwen3_b):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    prompt, other = _prompts(12, [40, 19])
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+    llm.update_weights(hf_model(qwen3_b).state_dict())  # a state dict with the checkpoint's names
+    out = llm.generate([prompt, other], GREEDY, use_tqdm=False)
+    assert out[0]["num_cached_tokens"] == 0  # the prompt cached under the old weights is not reused
+    assert [o["token_ids"] for o in out] == [hf_greedy(qwen3_b, p, 12) for p in (prompt, other)]
+    llm.update_weights(qwen3_tied)  # a checkpoint directory
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+    llm.update_weights(iter(hf_model(qwen3_b).named_parameters()))  # (name, tensor) pairs, a generator
+    assert llm.generate([other], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, other, 12)
+
+
+def test_bad_weights_change_nothing(qwen3_tied, qwen3_b):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    good = list(hf_model(qwen3_b).state_dict().items())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for bad, error, match in [
+        (good + [("model.layers.0.mlp.nope.weight", torch.zeros(2))], ValueError, "'model.layers.0.mlp.nope.weight' "
+                                                                                  "matches no parameter"),
+        (good + [(q, torch.zeros(64, 64 + 1))], ValueError, rf"'{q}': shape \(64, 65\) does not match"),
+        (good + [("model.norm.weight", [1.0] * 64)], TypeError, "pairs with a str name"),
+        (42, TypeError, "update_weights takes"),
+        ("/no/such/dir", ValueError, "not a checkpoint directory"),
+    ]:
+        with pytest.raises(error, match=match):
+            llm.update_weights(bad)
+        prompt = _prompts(13, [11])[0]
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+    running = llm.stream([[1, 2, 3]], SamplingParams(max_tokens=5))
+    next(running)
+    with pytest.raises(RuntimeError, match="update_weights\\(\\) called while requests are running"):
+        llm.update_weights(good)
+    running.close()
+
+
+# ---- sleep and wake -------------------------------------------------------------------------------
+
+def test_sleep_and_wake_up(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    prompts = _prompts(14, [30, 8])
+    sp = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True)]
+    before = llm.generate(prompts, sp, use_tqdm=False)
+    llm.sleep(level=1)
+    assert llm.is_sleeping() and llm.executor.runner.kv_cache is None
+    with pytest.raises(RuntimeError, match="asleep .* call wake_up\\(\\) first"):
+        llm.generate(prompts, sp, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="already asleep"):
+        llm.sleep()
+    with pytest.raises(RuntimeError, match="needs the weights awake first"):
+        llm.wake_up(["kv_cache"])
+    with pytest.raises(ValueError, match="unknown wake_up tags \\['cache'\\]"):
+        llm.wake_up(["cache"])
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    after = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o["outputs"] for o in after] == [o["outputs"] for o in before]
+    assert after[0]["num_cached_tokens"] == 0  # the cache was freed, so nothing is served from it
+
+
+def test_sleep_level_2_then_new_weights(qwen3_tied, qwen3_b):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    prompt = _prompts(15, [25])[0]
+    with pytest.raises(ValueError, match="sleep level must be 1"):
+        llm.sleep(level=3)
+    llm.sleep(level=2)
+    params = dict(llm.executor.runner.model.named_parameters())
+    assert all(p.numel() == 0 for p in params.values())  # the weights are freed
+    llm.update_weights(qwen3_b)  # before wake_up: wakes the weights, then loads them
+    llm.wake_up(["kv_cache"])
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 12)
+    llm.sleep(level=2)
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match="freed by sleep\\(level=2\\); load new ones with update_weights"):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    llm.update_weights(hf_model(qwen3_tied).state_dict())  # after wake_up
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+
+
+@pytest.mark.gpu
+def test_cuda_sleep_frees_the_kv_cache_and_gives_it_back(qwen3_tied):
+    llm = LLM(qwen3_tied, device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+    prompt = _prompts(16, [40])[0]
+    before = llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+    kv_bytes = llm.executor.runner.kv_cache.numel() * llm.executor.runner.kv_cache.element_size()
+    awake = torch.cuda.memory_reserved()
+    llm.sleep(level=1)
+    asleep = torch.cuda.memory_reserved()
+    assert awake - asleep >= kv_bytes
+    llm.wake_up()
+    assert torch.cuda.memory_reserved() >= awake - (awake - asleep - kv_bytes)  # the cache is back
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == before == hf_greedy(qwen3_tied, prompt, 12)
+    llm.exit()
