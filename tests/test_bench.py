@@ -14,3 +14,19 @@ def test_bench_runs_on_cpu(qwen3_tied):
     assert out.returncode == 0, out.stderr[-3000:]
     expected = out.stdout.splitlines()[0].split(", ")[-1].split()[0]
     assert f"nanovllm: {expected} output tokens" in out.stdout
+
+
+def test_rl_eval_benchmark_runs_on_cpu(qwen3_tied):
+    args = ["--model", qwen3_tied, "--num-prompts", "3", "--n", "4", "--min-input", "5", "--max-input", "40",
+            "--min-output", "3", "--max-output", "12", "--num-scored", "6", "--score-len", "30", "--max-token-id",
+            "399", "--max-model-len", "256"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rl_eval.py"), *args], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line.split("|")[1].strip() for line in lines] == [
+        "12 prompts, n=1", "3 prompts, n=4", "3 prompts x 4 requests",
+        "prompt_logprobs=0", "prompt_logprobs=5", "no logprobs (prefill only)"]
+    computed = [int(line.rsplit(" ", 1)[1]) for line in lines]
+    assert computed[1] < computed[2]  # n=4 prefills each prompt once; 4 separate requests more often
+    assert computed[3:] == [6 * 30] * 3
