@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|eager|sampling|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|eager|sampling|rl|tp_check|tp_tests|tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
@@ -32,6 +32,9 @@ if has bench; then
 fi
 if has eager; then
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
+fi
+if has rl; then
+  TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
 fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py

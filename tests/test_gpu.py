@@ -104,3 +104,28 @@ def test_bench_runs_on_the_dummy_qwen3_0_6b():
                          cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tok/s" in out.stdout
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_cuda_n_samples_and_prompt_logprobs(qwen3_tied, block_size):
+    """Forked samples (shared blocks, a copied partial block) and prompt logprobs on the Triton backend with graphs
+    and async scheduling, in float32: exact against transformers."""
+    from tests.tiny_models import hf_model
+    llm = LLM(qwen3_tied, device="cuda", dtype="float32", kvcache_block_size=block_size, max_model_len=1024,
+              num_kvcache_blocks=4096 // block_size, max_num_batched_tokens=256)
+    prompts = _prompts(6, [21, 300, 32])
+    sp = SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert [o["token_ids"] for o in out["outputs"]] == [hf_greedy(qwen3_tied, prompt, 20)] * 4
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model(qwen3_tied)(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out["prompt_logprobs"][0] is None
+        for p in range(1, len(prompt)):
+            for token, value in out["prompt_logprobs"][p].items():
+                assert abs(value - reference[p - 1, token].item()) < 1e-3
+    seeded = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    a, b = (llm.generate(prompts[:1], seeded, use_tqdm=False)[0] for _ in range(2))
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+    assert len({tuple(o["token_ids"]) for o in a["outputs"]}) == 4
+    llm.exit()
