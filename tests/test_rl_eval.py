@@ -185,6 +185,18 @@ def test_prompt_logprobs_under_chunked_prefill_and_with_n(qwen3_tied):
     assert outs[1]["token_ids"] == hf_greedy(qwen3_tied, prompts[1], 12)
 
 
+def test_forked_samples_share_the_scored_prompt(llm, qwen3_tied):
+    """The prompt is scored once: a forked sample never asks for prompt logprobs again (a preempted one would
+    otherwise recompute its prompt without prefix hits, to score it a second time)."""
+    prompt = _prompts(17, [26])[0]
+    first = llm.add_request(prompt, SamplingParams(n=3, max_tokens=4, prompt_logprobs=0, temperature=0))
+    forks = list(first.forks)
+    while not llm.is_finished():
+        llm.step()
+    assert all(f.prompt_logprobs is first.prompt_logprobs and not f.needs_prompt_logprobs for f in forks)
+    _check_prompt_logprobs(qwen3_tied, prompt, first.prompt_logprobs, 0)
+
+
 def test_prompt_logprobs_after_a_prefix_cache_hit(llm, qwen3_tied):
     """A request with prompt_logprobs computes its whole prompt (cached positions have no logits): it takes no
     prefix hit, but its blocks still serve others."""

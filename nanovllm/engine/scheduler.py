@@ -74,6 +74,7 @@ class Scheduler:
                 if copy is not None:
                     copies.append(copy)
                 child.num_prefix_hit_tokens = seq.num_prefix_hit_tokens
+                child.prompt_logprobs = seq.prompt_logprobs  # one prompt, scored once (filled after this step)
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
                 forks.append((child, len(scheduled) - 1))
