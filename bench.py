@@ -3,6 +3,7 @@
     python bench.py                       # Qwen3-0.6B architecture, random weights (load_format="dummy")
     python bench.py --model PATH          # a real checkpoint
     python bench.py --engine hf           # also run HF transformers' continuous batching; print both and the ratio
+    python bench.py --kv-cache-dtype fp8  # an 8-bit KV cache
 """
 import argparse
 import os
@@ -32,6 +33,8 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["attention_backend"] = args.attention_backend
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.num_kvcache_blocks} KV blocks")
@@ -148,6 +151,7 @@ def main():
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step N+1 before reading step N's tokens (default: on for one CUDA rank)")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2")
     p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tqdm", action="store_true")

@@ -28,6 +28,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     p.add_argument("--cpu", action="store_true", help="tiny shapes on CPU through TRITON_INTERPRET=1 (smoke test)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="fp8: decode reads an 8-bit cache plus a float32 scale per token and head")
     return p.parse_args()
 
 
@@ -39,6 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
+from nanovllm.layers.attention.fp8 import quantize  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
 from nanovllm.layers.kernels.decode import decode_attention, num_decode_splits  # noqa: E402
@@ -47,6 +51,7 @@ from nanovllm.utils.context import Context  # noqa: E402
 DEVICE = "cpu" if ARGS.cpu else "cuda"
 DTYPE = torch.float32 if ARGS.cpu else torch.bfloat16
 TOL = dict(atol=1e-4, rtol=1e-4) if ARGS.cpu else dict(atol=2e-2, rtol=2e-2)
+KV_DTYPE = KV_CACHE_DTYPES[ARGS.kv_cache_dtype]  # None: the 16-bit cache
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -75,10 +80,16 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
     """splits: 'auto' (the heuristic) or '1' (split-K off)."""
     heads, kv_heads, head_dim, block_size = (4, 2, 64, 16) if ARGS.cpu else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     blocks_per_seq = triton.cdiv(context, block_size)
-    kv_bytes = batch * context * kv_heads * head_dim * DTYPE.itemsize * 2
+    # bytes that must be read: K and V rows (and with fp8 their float32 scales)
+    row_bytes = head_dim * (KV_DTYPE or DTYPE).itemsize + (4 if KV_DTYPE else 0)
+    kv_bytes = batch * context * kv_heads * row_bytes * 2
     copies = 1 if ARGS.cpu else max(1, min(8, triton.cdiv(4 * L2_BYTES, kv_bytes)))
     num_blocks = copies * batch * blocks_per_seq
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    scales = {}
+    if KV_DTYPE is not None:
+        kv, kv_scale = quantize(kv, KV_DTYPE)
+        scales = dict(k_scale=kv_scale[0], v_scale=kv_scale[1])
     k_cache, v_cache = kv[0], kv[1]
     perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(copies, batch, blocks_per_seq)
     q = torch.randn(batch, heads, head_dim, dtype=DTYPE, device=DEVICE)
@@ -89,9 +100,9 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
 
     def triton_decode(ctx: Context) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                                num_splits=num_splits)
+                                num_splits=num_splits, **scales)
 
-    ref = TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale)
+    ref = TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale, **scales)
     torch.testing.assert_close(triton_decode(contexts[0]).float(), ref.float(), **TOL)
 
     def run_all():
@@ -99,7 +110,7 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
             triton_decode(ctx)
 
     ms = time_ms(run_all, graph=True) / copies
-    torch_ms = time_ms(lambda: TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale)) \
+    torch_ms = time_ms(lambda: TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale, **scales)) \
         if splits == "auto" else float("nan")
     gbps = kv_bytes / ms / 1e6
     return dict(case=f"decode b={batch} ctx={context} splits={num_splits}", ms=ms, torch_ms=torch_ms,
@@ -160,7 +171,8 @@ def main():
         print(f"{row['case']:36s} {row['ms'] * 1e3:9.1f} us", flush=True)
 
     where = "CPU interpreter (timings meaningless)" if ARGS.cpu else torch.cuda.get_device_name()
-    print(f"\n{where}, {DTYPE}; decode: {HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}"
+    print(f"\n{where}, {DTYPE}, KV cache {ARGS.kv_cache_dtype}; decode: {HEADS} q / {KV_HEADS} kv heads, "
+          f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}"
           if not ARGS.cpu else f"\n{where}")
     print(f"{'case':36s} {'triton us':>10s} {'torch ref us':>13s} {'torch sdpa us':>14s} {'rate':>16s} {'% peak':>7s}")
     for r in rows:

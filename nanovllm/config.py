@@ -6,6 +6,8 @@ import torch
 from nanovllm.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass
@@ -30,11 +32,14 @@ class Config:
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn"
     # Launch decode step N+1 before step N's tokens are read back. None: on for one CUDA rank, off otherwise.
     async_scheduling: bool | None = None
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": 8-bit K/V with a scale per token and head
+    kv_cache_dtype: str = "auto"
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, init=False)
     torch_dtype: torch.dtype = field(default=None, init=False)
+    kv_cache_torch_dtype: torch.dtype = field(default=None, init=False)  # the cache's element type
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -74,6 +79,9 @@ class Config:
             raise ValueError("async_scheduling works with tensor_parallel_size=1 only; turn one of them off")
         if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
@@ -94,6 +102,7 @@ class Config:
             if isinstance(dt, str):
                 dt = _DTYPES.get(dt)
             self.torch_dtype = dt if dt in _DTYPES.values() else torch.bfloat16
+        self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     def _check_types(self):
         for f in fields(self):

@@ -129,3 +129,19 @@ def test_cuda_n_samples_and_prompt_logprobs(qwen3_tied, block_size):
     assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
     assert len({tuple(o["token_ids"]) for o in a["outputs"]}) == 4
     llm.exit()
+
+
+def test_cuda_fp8_kv_cache_graphs_equal_eager(qwen3_tied):
+    """An fp8 cache through the Triton kernels: decode graphs give the eager tokens; chunked prefill reads fp8
+    history; the first token (computed from fresh, unquantized K/V) is transformers' own."""
+    prompts = _prompts(7, [5, 40, 100, 7, 64, 250, 31])
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    results = []
+    for eager in (True, False):
+        llm = LLM(qwen3_tied, device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=eager,
+                  max_num_seqs=100, max_model_len=512, num_kvcache_blocks=16, max_num_batched_tokens=128)
+        results.append(llm.generate(prompts, sp, use_tqdm=False))
+        llm.exit()
+    for prompt, a, b in zip(prompts, *results):
+        assert a["token_ids"] == b["token_ids"]
+        assert a["token_ids"][0] == hf_greedy(qwen3_tied, prompt, 1)[0]

@@ -17,7 +17,7 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8"])
 def test_kernels_interpreted(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
@@ -121,6 +121,40 @@ def test_gpu_decode(batch, block_size, heads, kv_heads, head_dim, dtype):
     if batch > 1:
         lens[1], lens[-1] = 1, 0  # shortest context and a CUDA-graph padding row
     check_decode(lens, block_size, heads, kv_heads, head_dim, dtype, device="cuda")
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_store_fp8(block_size, kv_dtype):
+    from tests.triton_kernel_checks import check_store_fp8
+    check_store_fp8(block_size, 8, 128, torch.bfloat16, kv_dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_prefill_history_fp8(block_size, kv_dtype):
+    from tests.triton_kernel_checks import check_prefill
+    check_prefill([40, 1, 17, 512, 3, 1000], [3000, 70, 17, 1536, 65, 1000], block_size, 16, 8, 128, torch.bfloat16,
+                  device="cuda", kv_dtype=kv_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_fp8(batch, block_size, kv_dtype):
+    from tests.triton_kernel_checks import check_decode
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    lens[0] = 4096
+    if batch > 1:
+        lens[1], lens[-1] = 1, 0
+    check_decode(lens, block_size, 16, 8, 128, torch.bfloat16, device="cuda", kv_dtype=kv_dtype)
 
 
 @pytest.mark.gpu

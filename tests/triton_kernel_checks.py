@@ -6,6 +6,7 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 import pytest
 import torch
 
+from nanovllm.layers.attention.fp8 import is_fp8, quantize
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
@@ -19,6 +20,14 @@ def random_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
     """Random K and V caches, [num_blocks, block_size, kv_heads, head_dim] slices of one tensor like the engine's."""
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     return kv[0], kv[1]
+
+
+def random_fp8_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype, device):
+    """(k_cache, v_cache, k_scale, v_scale): random rows of varied magnitude quantized as the engine stores them."""
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device)
+    kv *= torch.exp(torch.randn(2, num_blocks, block_size, kv_heads, 1, device=device))  # per-row magnitudes
+    values, scales = quantize(kv, kv_dtype)
+    return values[0], values[1], scales[0], scales[1]
 
 
 def block_tables_for(lengths: list[int], block_size: int, num_blocks: int, device) -> torch.Tensor:
@@ -54,8 +63,31 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 
 def reference(fn, *tensors_and_rest):
     """Run a TorchAttention method on float32 copies of the floating-point tensors (the exact-ish answer)."""
-    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in tensors_and_rest]
+    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() and not is_fp8(a.dtype) else a
+            for a in tensors_and_rest]
     return fn(*args)
+
+
+def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dtype, device="cuda"):
+    """The quantizing store against the torch one: the same scales, and values within one fp8 step (the GPU's
+    float division may differ from torch's in the last bit, which can move a value across a rounding boundary)."""
+    num_blocks, tokens = 6, 11
+    _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
+    k.mul_(torch.exp(torch.randn(tokens, kv_heads, 1, device=device)).to(dtype))  # rows of varied magnitude
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
+    slots[[1, 4, 10]] = -1
+    slots = slots.to(device)
+    caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype, device=device) for _ in "kv"]
+              + [torch.zeros(num_blocks, block_size, kv_heads, device=device) for _ in "kv"] for _ in range(2)]
+    TritonAttention().store_kvcache(k, v, caches[0][0], caches[0][1], slots, caches[0][2], caches[0][3])
+    TorchAttention().store_kvcache(k, v, caches[1][0], caches[1][1], slots, caches[1][2], caches[1][3])
+    ours, ref = caches
+    for i in (2, 3):
+        torch.testing.assert_close(ours[i], ref[i], rtol=1e-6, atol=0)
+    step = 2.0 ** -(2 if kv_dtype == torch.float8_e5m2 else 3)  # relative spacing of fp8 values
+    for i in (0, 1):
+        a, b = ours[i].float(), ref[i].float()
+        assert ((a - b).abs() <= step * b.abs() + 1e-6).all(), "store fp8: values more than one step apart"
 
 
 def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
@@ -77,9 +109,9 @@ def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cp
 
 
 def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, heads: int, kv_heads: int,
-                  head_dim: int, dtype, device="cpu"):
+                  head_dim: int, dtype, device="cpu", kv_dtype=None):
     """lens_k None: no history (keys are the fresh k, v). Else sequence s has lens_k[s] cached tokens, the last
-    lens_q[s] of them new, read through block tables."""
+    lens_q[s] of them new, read through block tables (an fp8 cache with its scales when kv_dtype is given)."""
     tokens = sum(lens_q)
     q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
     scale = head_dim ** -0.5
@@ -88,32 +120,42 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
         tables, cu_k, max_k = None, cu_seqlens(lens_q, device), max(lens_q)
     else:
         num_blocks = sum((n + block_size - 1) // block_size for n in lens_k) + 3
-        k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        if kv_dtype is not None:
+            k_cache, v_cache, *scales = random_fp8_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, device)
+        else:
+            k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
         tables, cu_k, max_k = block_tables_for(lens_k, block_size, num_blocks, device), cu_seqlens(lens_k, device), \
             max(lens_k)
     context = Context(True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                       max_seqlen_k=max_k, block_tables=tables)
-    out = TritonAttention().prefill(q, k, v, k_cache, v_cache, context, scale)
-    ref = reference(TorchAttention().prefill, q, k, v, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k}")
+    extra = dict(zip(("k_scale", "v_scale"), scales)) if kv_dtype is not None and lens_k is not None else {}
+    out = TritonAttention().prefill(q, k, v, k_cache, v_cache, context, scale, **extra)
+    ref = reference(lambda *a: TorchAttention().prefill(*a, **extra), q, k, v, k_cache, v_cache, context, scale)
+    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k} kv_dtype={kv_dtype}")
 
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                 num_splits: int | None = None, device="cpu"):
+                 num_splits: int | None = None, device="cpu", kv_dtype=None):
     batch = len(context_lens)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
-    k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    extra = {}
+    if kv_dtype is not None:
+        k_cache, v_cache, k_scale, v_scale = random_fp8_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype,
+                                                              device)
+        extra = dict(k_scale=k_scale, v_scale=v_scale)
+    else:
+        k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
     q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     context = Context(False, context_lens=lens, block_tables=tables)
     scale = head_dim ** -0.5
     if num_splits is None:
-        out = TritonAttention().decode(q, k_cache, v_cache, context, scale)
+        out = TritonAttention().decode(q, k_cache, v_cache, context, scale, **extra)
     else:
-        out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits)
-    ref = reference(TorchAttention().decode, q, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits}")
+        out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits, **extra)
+    ref = reference(lambda *a: TorchAttention().decode(*a, **extra), q, k_cache, v_cache, context, scale)
+    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype}")
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros, like the reference
             assert torch.equal(out[s], torch.zeros_like(out[s]))
@@ -150,6 +192,23 @@ def test_prefill_history(block_size, head_dim, group, dtype):
 def test_decode(block_size, head_dim, group, dtype):
     # 1-token and long contexts, a padding row (context 0, table all -1); the heuristic splits the 600-long one
     check_decode([1, 600, 0, 37, 130], block_size, heads=group * 2, kv_heads=2, head_dim=head_dim, dtype=dtype)
+
+
+# fp8 caches: values written by the torch reference (the interpreter's float32 -> float8 conversion is wrong at
+# some exponent boundaries, e.g. 127.9 -> 64 instead of 128, so the quantizing store is checked on the GPU only).
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_prefill_history(dtype, kv_dtype):
+    check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], 16, heads=4, kv_heads=2, head_dim=64, dtype=dtype,
+                  kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_fp8_decode(num_splits, dtype, kv_dtype):
+    check_decode([1, 600, 0, 37, 130], 16, heads=4, kv_heads=2, head_dim=64, dtype=dtype, num_splits=num_splits,
+                 kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])

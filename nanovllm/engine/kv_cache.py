@@ -4,15 +4,16 @@ import logging
 import torch
 
 from nanovllm.engine.warmup import warmup
+from nanovllm.layers.attention.fp8 import is_fp8
 
 logger = logging.getLogger("nanovllm")
 
 
 def block_bytes(runner) -> int:
-    """Bytes of one block across all layers, K and V."""
-    layer = runner.attn_layers[0]
-    itemsize = torch.empty((), dtype=runner.config.torch_dtype).element_size()
-    return 2 * len(runner.attn_layers) * runner.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+    """Bytes of one block across all layers, K and V (and an fp8 cache's float32 scale per token and head)."""
+    layer, dtype = runner.attn_layers[0], runner.config.kv_cache_torch_dtype
+    row = layer.head_dim * dtype.itemsize + (4 if is_fp8(dtype) else 0)
+    return 2 * len(runner.attn_layers) * runner.block_size * layer.num_kv_heads * row
 
 
 def count_blocks(runner) -> int:
@@ -49,19 +50,22 @@ def _blocks_in_free_gpu_memory(runner) -> int:
     return blocks
 
 
-def allocate(runner, num_blocks: int) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its K and V views."""
+def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (and, for fp8, one of scales [2, layers,
+    blocks, block_size, kv_heads]); each attention layer gets its K and V views."""
     cfg = runner.config
     if num_blocks * runner.block_size < cfg.max_model_len:
         raise ValueError(
             f"the KV cache holds {max(num_blocks, 0)} blocks x {runner.block_size} tokens, fewer than "
             f"max_model_len={cfg.max_model_len}: lower max_model_len, or give the cache more room "
             "(num_kvcache_blocks, cpu_kvcache_gb on CPU, gpu_memory_utilization on GPU)")
-    layer = runner.attn_layers[0]
-    kv_cache = torch.empty(2, len(runner.attn_layers), num_blocks, runner.block_size, layer.num_kv_heads,
-                           layer.head_dim, dtype=cfg.torch_dtype, device=runner.device)
+    layer, dtype = runner.attn_layers[0], cfg.kv_cache_torch_dtype
+    shape = (2, len(runner.attn_layers), num_blocks, runner.block_size, layer.num_kv_heads)
+    kv_cache = torch.empty(*shape, layer.head_dim, dtype=dtype, device=runner.device)
+    # fp8: scales start at 0, so a slot never written reads as zeros (not NaN) like the memory past a sequence
+    kv_scale = torch.zeros(shape, dtype=torch.float32, device=runner.device) if is_fp8(dtype) else None
     for i, attn in enumerate(runner.attn_layers):
-        attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, runner.block_size,
-                num_blocks * block_bytes(runner) / 2**30)
-    return kv_cache
+        attn.bind(kv_cache[0, i], kv_cache[1, i], *((kv_scale[0, i], kv_scale[1, i]) if kv_scale is not None else ()))
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, runner.block_size,
+                num_blocks * block_bytes(runner) / 2**30, cfg.kv_cache_dtype if kv_scale is not None else dtype)
+    return kv_cache, kv_scale

@@ -48,6 +48,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device)
         self.backend.check_head_dim(self.attn_layers[0].head_dim)
+        self.backend.check_kv_cache_dtype(config.kv_cache_torch_dtype)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler(config.hf_config.vocab_size, config.eos_token_ids, self.device)
@@ -56,7 +57,7 @@ class ModelRunner:
             use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
             use_compiled_ops(self.sampler, True)
         self.num_kvcache_blocks = kv_cache.count_blocks(self)
-        self.kv_cache = kv_cache.allocate(self, self.num_kvcache_blocks)
+        self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
         self.graphs = self._capture_graphs()
         self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
 
@@ -119,8 +120,8 @@ class ModelRunner:
         stay where they are), level 2 frees them (update_weights brings new ones)."""
         self.release_graphs()
         for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = None
+            layer.bind(torch.tensor([]), torch.tensor([]))
+        self.kv_cache = self.kv_scale = None
         if level == 2 or self.is_cuda:
             self.offloaded = {}
             for name, param in self.model.named_parameters():
@@ -145,7 +146,7 @@ class ModelRunner:
                     params[name].data.copy_(saved)
             self.offloaded = None
         if "kv_cache" in tags and self.kv_cache is None:
-            self.kv_cache = kv_cache.allocate(self, self.num_kvcache_blocks)
+            self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
             self.graphs = self._capture_graphs(warm_up=False)
         if self.is_cuda:
             torch.cuda.synchronize()
@@ -320,7 +321,10 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """Copy whole KV blocks (every layer, K and V), after the step that wrote the sources."""
         src, dst = (self._to_device(list(ids), torch.int64) for ids in zip(*copies))
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for cache in (self.kv_cache, self.kv_scale):
+            if cache is not None:  # as bytes: index copies need not support float8
+                raw = cache.view(torch.uint8)
+                raw[:, :, dst] = raw[:, :, src]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.is_cuda:

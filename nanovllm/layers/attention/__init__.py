@@ -30,21 +30,27 @@ def get_backend(name: str, device: str) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Stores the new K/V in this layer's cache slice, then attends. The model runner binds
-    k_cache, v_cache and the backend after the KV cache is allocated."""
+    """Stores the new K/V in this layer's cache slice, then attends. The model runner binds the cache (`bind`)
+    and the backend after the KV cache is allocated."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.scales: dict[str, torch.Tensor] = {}  # an fp8 cache: k_scale and v_scale [blocks, block_size, kv_heads]
         self.backend: AttentionBackend | None = None
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.scales = {"k_scale": k_scale, "v_scale": v_scale} if k_scale is not None else {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
         context = get_context()
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache.numel() and context.slot_mapping is not None:
-            self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+            self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, **self.scales)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale)
-        return self.backend.decode(q, k_cache, v_cache, context, self.scale)
+            return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale, **self.scales)
+        return self.backend.decode(q, k_cache, v_cache, context, self.scale, **self.scales)

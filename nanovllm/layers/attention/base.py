@@ -1,5 +1,6 @@
 import torch
 
+from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.utils.context import Context, ToDevice
 
 
@@ -7,6 +8,8 @@ class AttentionBackend:
     """What every attention implementation provides. Shapes:
     q [tokens, heads, head_dim]; k, v [tokens, kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
+    An fp8 cache (layers/attention/fp8.py) comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32:
+    stores quantize into it, and attention over cached K/V dequantizes; fresh k, v are used as they are.
 
     Each backend also builds its own per-step metadata (the Context) from the runner's host-side lists, and the
     static buffers a decode CUDA graph reads, so the runner and the graphs never name its fields.
@@ -14,9 +17,16 @@ class AttentionBackend:
 
     name = "base"
     supports_cuda_graphs = True  # False: decode runs eagerly (the backend syncs with the host)
+    supports_fp8_kv_cache = True
 
     def check_head_dim(self, head_dim: int):
         """Raise ValueError, once at start-up, for a head size this backend cannot run."""
+
+    def check_kv_cache_dtype(self, dtype: torch.dtype):
+        """Raise ValueError, once at start-up, for a cache type this backend cannot run."""
+        if is_fp8(dtype) and not self.supports_fp8_kv_cache:
+            raise ValueError(f"the {self.name} attention backend cannot read an fp8 KV cache; use "
+                             "attention_backend='triton' or kv_cache_dtype='auto'")
 
     # ---- per-step metadata ------------------------------------------------------------------------
     def prefill_context(self, to_device: ToDevice, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
@@ -58,17 +68,19 @@ class AttentionBackend:
 
     # ---- the kernels --------------------------------------------------------------------------------
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor):
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None):
         """Write token t's K/V to slot slot_mapping[t] (block * block_size + offset); skip slot -1."""
         raise NotImplementedError
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, context: Context, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over packed sequences; with context.block_tables, keys and values come
         from the cache (which already holds the new tokens) so cached history is included."""
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One query per sequence over its first context_lens[s] cached tokens."""
         raise NotImplementedError

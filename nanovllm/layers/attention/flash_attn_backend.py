@@ -17,6 +17,7 @@ def _check_paged_block_size(k_cache: torch.Tensor):
 
 class FlashAttention(AttentionBackend):
     name = "flash_attn"
+    supports_fp8_kv_cache = False  # flash-attn reads 16-bit caches only
 
     def __init__(self):
         try:

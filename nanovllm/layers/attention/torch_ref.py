@@ -3,35 +3,43 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.attention.base import AttentionBackend
+from nanovllm.layers.attention.fp8 import dequantize, quantize, raw
 from nanovllm.utils.context import Context
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence from the paged cache: [length, kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `length` tokens of one sequence from the paged cache: [length, kv_heads, head_dim] (dequantized to
+    float32 when the cache is fp8, with its scales [num_blocks, block_size, kv_heads])."""
     block_size = cache.size(1)
     blocks = block_table[: (length + block_size - 1) // block_size].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    rows = raw(cache)[blocks].flatten(0, 1)[:length].view(cache.dtype)
+    return rows if scale is None else dequantize(rows, scale[blocks].flatten(0, 1)[:length])
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = False  # boolean-mask indexing in store_kvcache syncs with the host
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            x = x[keep]
+            if x_scale is not None:
+                x, s = quantize(x, cache.dtype)
+                x_scale.view(-1, x_scale.size(-1))[slots] = s
+            raw(cache).view(-1, *cache.shape[2:])[slots] = raw(x)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         out = torch.empty_like(q)
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
         for s in range(len(cu_q) - 1):
             q0, q1 = cu_q[s], cu_q[s + 1]
             len_q, len_k = q1 - q0, cu_k[s + 1] - cu_k[s]
             if context.block_tables is not None:
-                ks = gather_kv(k_cache, context.block_tables[s], len_k)
-                vs = gather_kv(v_cache, context.block_tables[s], len_k)
+                ks = gather_kv(k_cache, context.block_tables[s], len_k, k_scale).to(q.dtype)
+                vs = gather_kv(v_cache, context.block_tables[s], len_k, v_scale).to(q.dtype)
             else:
                 ks, vs = k[q0:q1], v[q0:q1]
             # query i sits at position len_k - len_q + i and sees keys up to there
@@ -42,12 +50,15 @@ class TorchAttention(AttentionBackend):
             out[q0:q1] = o.transpose(0, 1)
         return out
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale):
+    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.size(2)
         tables = context.block_tables.clamp(min=0).long()  # [batch, max_blocks]; -1 padding is masked below
-        k = k_cache[tables].flatten(1, 2)  # [batch, max_len, kv_heads, head_dim]
-        v = v_cache[tables].flatten(1, 2)
+        k = raw(k_cache)[tables].flatten(1, 2).view(k_cache.dtype)  # [batch, max_len, kv_heads, head_dim]
+        v = raw(v_cache)[tables].flatten(1, 2).view(v_cache.dtype)
+        if k_scale is not None:
+            k = dequantize(k, k_scale[tables].flatten(1, 2))
+            v = dequantize(v, v_scale[tables].flatten(1, 2))
         qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
         valid = torch.arange(k.size(1), device=q.device) < context.context_lens.unsqueeze(1)  # [batch, max_len]

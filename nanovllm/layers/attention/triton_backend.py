@@ -16,17 +16,17 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"the triton attention backend needs head_dim a power of two in [16, 256], got "
                              f"{head_dim}; use attention_backend='torch'")
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         if context.block_tables is not None:  # keys/values (history + new tokens) come from the cache
             k, v = k_cache, v_cache
         return prefill_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q, scale,
-                                 context.block_tables)
+                                 context.block_tables, k_scale, v_scale)
 
-    def decode(self, q: torch.Tensor, k_cache, v_cache, context: Context, scale):
+    def decode(self, q: torch.Tensor, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         # Grid from shapes only (CUDA graphs): the table width bounds every context length.
         max_context_len = context.block_tables.size(1) * k_cache.size(1)
         return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale,
-                                max_context_len)
+                                max_context_len, k_scale=k_scale, v_scale=v_scale)

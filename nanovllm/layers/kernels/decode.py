@@ -6,6 +6,9 @@ The split count is fixed by tensor shapes and the caller's context-length bound 
 so the launch can be captured in a CUDA graph; at run time each sequence's actual context is cut into
 num_splits equal runs of whole BLOCK_N tiles. With one split the kernel writes the output directly; otherwise
 it writes fp32 partials (running max, sum, unnormalised acc) that a second kernel merges.
+
+An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head): K tiles are widened to q's
+type for q @ K^T and the scores multiplied by the K scales; V tiles are dequantized before p @ V.
 """
 import functools
 
@@ -24,13 +27,13 @@ MAX_SPLITS = 64
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
 # Triton specialization of it (1, a multiple of 16, other)
 @triton.jit(do_not_specialize=["stride_table"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                   context_lens_ptr, table_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, part_m_ptr, part_l_ptr,
+                   part_acc_ptr, context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_cb, stride_ct, stride_ch, stride_table,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_table,
                    qk_scale,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
@@ -58,7 +61,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_m_ptr, part_l_pt
         kv_off = (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :]
         k = tl.load(k_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+        if QUANT:
+            scale_off = block * stride_sb + row * stride_st + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=mask_n, other=0.0)
+            k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
+            # V is dequantized here rather than its scales folded into p, which could leave float16's range
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        if QUANT:
+            s = s * k_scale[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
         alpha = tl.exp2(m_i - m_new)
@@ -114,18 +126,22 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_context_len: int, devic
     return max(1, min(want, max_context_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
+    if quant:  # half the bytes per tile: twice the keys for the same shared memory
+        return 128, 4, 3
     return 64, 4, 3
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_context_len: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
     (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
+    An fp8 cache comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32.
 
     max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
     fix the grid. num_splits overrides the split heuristic (tests). Returns [batch, heads, head_dim] in q's dtype.
@@ -144,7 +160,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = num_decode_splits(batch, num_kv_heads, max_context_len, q.device)
     group = num_heads // num_kv_heads
-    block_n, warps, stages = _decode_config(head_dim, q.dtype)
+    quant = k_scale is not None
+    if quant:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    block_n, warps, stages = _decode_config(head_dim, q.dtype, quant)
     if num_splits > 1:
         part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -152,12 +171,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_m = part_l = part_acc = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc, context_lens, block_tables,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
+        part_acc, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, block_tables.stride(0),
         scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:

@@ -4,6 +4,8 @@ Grid: (query tiles of the longest sequence, sequences, heads), tiles in reverse 
 program whose tile starts past its sequence's end returns at once. Each program keeps one [BLOCK_M, head_dim] fp32
 accumulator and walks the key tiles with an online softmax: first the tiles every query row sees in full (no mask),
 then the tiles on the diagonal (causal + length mask); tiles wholly above the diagonal are never visited.
+Keys read from an fp8 cache (QUANT, paged only) are dequantized as in the decode kernel: K widened to q's type
+with the scores scaled per key, V tiles dequantized.
 """
 import torch
 import triton
@@ -15,10 +17,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr, k_start,
-                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr,
+                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
                  MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -32,7 +34,15 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, tab
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    if QUANT:
+        scale_off = block * stride_sb + row * stride_st
+        k_scale = tl.load(k_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
+        v_scale = tl.load(v_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
+        k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if QUANT:
+        s = s * k_scale[None, :]
     if MASKED:
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -48,13 +58,13 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, tab
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
 # Triton specialization of it (1, a multiple of 16, other)
 @triton.jit(do_not_specialize=["stride_table"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
-                    qk_scale,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st,
+                    stride_table, qk_scale,
                     GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, QUANT: tl.constexpr):
     # Heaviest tiles (the last ones of the longest sequences: most keys under the causal mask) start first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -82,17 +92,21 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
+    k_scale_head_ptr = k_scale_ptr + kv_head  # (scales are [blocks, block_size, kv_heads])
+    v_scale_head_ptr = v_scale_ptr + kv_head
     first_pos = len_k - len_q + tile * BLOCK_M
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
     n_end = len_k - len_q + tl.minimum((tile + 1) * BLOCK_M, len_q)  # one past the last row's last key
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr,
-                                     q_start, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
+                                     v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
+                                     stride_vt, stride_sb, stride_st, qk_scale,
+                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
     for n0 in range(full_end, n_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, table_row_ptr,
-                                     q_start, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
+                                     v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
+                                     stride_vt, stride_sb, stride_st, qk_scale,
+                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
@@ -117,13 +131,15 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tup
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float,
-                      block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                      block_tables: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [tokens, heads, head_dim] packed by cu_seqlens_q [num_seqs + 1] int32.
 
     block_tables None: k, v [tokens, kv_heads, head_dim] packed like q (causal self-attention).
     block_tables [num_seqs, max_blocks] int32: k, v are the caches [num_blocks, block_size, kv_heads, head_dim];
     sequence s attends over its first cu_seqlens_k[s+1] - cu_seqlens_k[s] cached tokens, its queries being the last
-    ones. Returns [tokens, heads, head_dim] in q's dtype.
+    ones; an fp8 cache comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32. Returns
+    [tokens, heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(-2)
@@ -143,16 +159,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         block_size, table, stride_table = 16, cu_seqlens_q, 0  # table unused
         stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
         stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+    quant = paged and k_scale is not None
+    if quant:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_m, block_n, warps, stages = _prefill_config(head_dim, q.dtype, max_seqlen_q)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, table,
+        q, k, v, k_scale if quant else k, v_scale if quant else v, out, cu_seqlens_q, cu_seqlens_k, table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, stride_table,
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=warps, num_stages=stages,
     )
     return out
