@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|eager|sampling|rl|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|tp_check|tp_tests|tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
@@ -29,6 +29,10 @@ fi
 if has bench; then
   step bench 240 python3 bench.py --profile --no-tqdm  # async scheduling, the default on one GPU
   step bench_plain 240 python3 bench.py --no-async-scheduling --profile --no-tqdm
+fi
+if has fp8; then
+  step bench_fp8 240 python3 bench.py --kv-cache-dtype fp8 --profile --no-tqdm
+  TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
 fi
 if has eager; then
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
