@@ -55,10 +55,15 @@ def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str):
+# bf16 over an fp8 cache: dequantized V is rounded to bf16 before p @ V, the reference stays in float32
+FP8_TOLERANCES = {**TOLERANCES, torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, fp8: bool = False):
     assert out.dtype == dtype and out.shape == ref.shape
     assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
+    tolerance = (FP8_TOLERANCES if fp8 else TOLERANCES)[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), **tolerance, msg=lambda m: f"{what}: {m}")
 
 
 def reference(fn, *tensors_and_rest):
@@ -131,7 +136,7 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
     extra = dict(zip(("k_scale", "v_scale"), scales)) if kv_dtype is not None and lens_k is not None else {}
     out = TritonAttention().prefill(q, k, v, k_cache, v_cache, context, scale, **extra)
     ref = reference(lambda *a: TorchAttention().prefill(*a, **extra), q, k, v, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k} kv_dtype={kv_dtype}")
+    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k} kv_dtype={kv_dtype}", bool(extra))
 
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
@@ -155,7 +160,8 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
     else:
         out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits, **extra)
     ref = reference(lambda *a: TorchAttention().decode(*a, **extra), q, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype}")
+    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype}",
+                 bool(extra))
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros, like the reference
             assert torch.equal(out[s], torch.zeros_like(out[s]))

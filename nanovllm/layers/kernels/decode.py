@@ -8,7 +8,8 @@ num_splits equal runs of whole BLOCK_N tiles. With one split the kernel writes t
 it writes fp32 partials (running max, sum, unnormalised acc) that a second kernel merges.
 
 An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head): K tiles are widened to q's
-type for q @ K^T and the scores multiplied by the K scales; V tiles are dequantized before p @ V.
+type for q @ K^T and the scores multiplied by the K scales; the V scales are folded into p (a float16 q
+dequantizes the V tile instead: p * scale could leave float16's range).
 """
 import functools
 
@@ -33,7 +34,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_table,
                    qk_scale,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                   SCALE_V_TILE: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
@@ -66,8 +68,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
             k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(v_scale_ptr + scale_off, mask=mask_n, other=0.0)
             k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
-            # V is dequantized here rather than its scales folded into p, which could leave float16's range
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if SCALE_V_TILE:  # float16: p * v_scale could leave its range, so dequantize the tile instead
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            else:
+                v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         if QUANT:
             s = s * k_scale[None, :]
@@ -76,6 +80,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT and not SCALE_V_TILE:  # sum_n p_n (v_scale_n v8_n) = sum_n (p_n v_scale_n) v8_n: BLOCK_G x BLOCK_N
+            p = p * v_scale[None, :]     # multiplies instead of BLOCK_N x HEAD_DIM
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
@@ -138,13 +144,14 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_context_len: int | None = None,
                      num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
     (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
     An fp8 cache comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32.
 
     max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
-    fix the grid. num_splits overrides the split heuristic (tests). Returns [batch, heads, head_dim] in q's dtype.
+    fix the grid. num_splits overrides the split heuristic (tests); config (BLOCK_N, num_warps, num_stages) the tile
+    choice (benchmarks). Returns [batch, heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -163,7 +170,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     quant = k_scale is not None
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-    block_n, warps, stages = _decode_config(head_dim, q.dtype, quant)
+    block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant)
     if num_splits > 1:
         part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -179,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        num_warps=warps, num_stages=stages,
+        SCALE_V_TILE=q.dtype == torch.float16, num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
