@@ -37,7 +37,7 @@ tables = torch.randperm(copies * blocks, device="cuda").to(torch.int32).view(cop
 splits = num_decode_splits(args.batch, kv_heads, tables.size(2) * block_size, q.device)
 for config in [None, (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3),
                (128, 8, 3), (128, 8, 4), (256, 8, 3)]:
-    def run():
+    def run(config=config):
         for c in range(copies):
             decode_attention(q, kv[0], kv[1], lens, tables[c], head_dim ** -0.5, num_splits=splits, config=config,
                              **scales)
