@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
-from nanovllm.layers.attention.fp8 import quantize  # noqa: E402
+from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
 from nanovllm.layers.kernels.decode import decode_attention, num_decode_splits  # noqa: E402
@@ -89,6 +89,7 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
     scales = {}
     if KV_DTYPE is not None:
         kv, kv_scale = quantize(kv, KV_DTYPE)
+        kv_scale = cache_layout(kv_scale)
         scales = dict(k_scale=kv_scale[0], v_scale=kv_scale[1])
     k_cache, v_cache = kv[0], kv[1]
     perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(copies, batch, blocks_per_seq)

@@ -6,7 +6,7 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 import pytest
 import torch
 
-from nanovllm.layers.attention.fp8 import is_fp8, quantize
+from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
@@ -27,6 +27,7 @@ def random_fp8_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: 
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device)
     kv *= torch.exp(torch.randn(2, num_blocks, block_size, kv_heads, 1, device=device))  # per-row magnitudes
     values, scales = quantize(kv, kv_dtype)
+    scales = cache_layout(scales)
     return values[0], values[1], scales[0], scales[1]
 
 
@@ -83,7 +84,7 @@ def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dty
     slots[[1, 4, 10]] = -1
     slots = slots.to(device)
     caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype, device=device) for _ in "kv"]
-              + [torch.zeros(num_blocks, block_size, kv_heads, device=device) for _ in "kv"] for _ in range(2)]
+              + [torch.zeros(num_blocks, kv_heads, block_size, device=device) for _ in "kv"] for _ in range(2)]
     TritonAttention().store_kvcache(k, v, caches[0][0], caches[0][1], slots, caches[0][2], caches[0][3])
     TorchAttention().store_kvcache(k, v, caches[1][0], caches[1][1], slots, caches[1][2], caches[1][3])
     ours, ref = caches

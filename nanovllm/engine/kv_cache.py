@@ -52,7 +52,7 @@ def _blocks_in_free_gpu_memory(runner) -> int:
 
 def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (and, for fp8, one of scales [2, layers,
-    blocks, block_size, kv_heads]); each attention layer gets its K and V views."""
+    blocks, kv_heads, block_size]); each attention layer gets its K and V views."""
     cfg = runner.config
     if num_blocks * runner.block_size < cfg.max_model_len:
         raise ValueError(
@@ -60,10 +60,12 @@ def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None
             f"max_model_len={cfg.max_model_len}: lower max_model_len, or give the cache more room "
             "(num_kvcache_blocks, cpu_kvcache_gb on CPU, gpu_memory_utilization on GPU)")
     layer, dtype = runner.attn_layers[0], cfg.kv_cache_torch_dtype
-    shape = (2, len(runner.attn_layers), num_blocks, runner.block_size, layer.num_kv_heads)
-    kv_cache = torch.empty(*shape, layer.head_dim, dtype=dtype, device=runner.device)
+    shape = (2, len(runner.attn_layers), num_blocks)
+    kv_cache = torch.empty(*shape, runner.block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype,
+                           device=runner.device)
     # fp8: scales start at 0, so a slot never written reads as zeros (not NaN) like the memory past a sequence
-    kv_scale = torch.zeros(shape, dtype=torch.float32, device=runner.device) if is_fp8(dtype) else None
+    kv_scale = torch.zeros(*shape, layer.num_kv_heads, runner.block_size, device=runner.device) \
+        if is_fp8(dtype) else None
     for i, attn in enumerate(runner.attn_layers):
         attn.bind(kv_cache[0, i], kv_cache[1, i], *((kv_scale[0, i], kv_scale[1, i]) if kv_scale is not None else ()))
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, runner.block_size,

@@ -37,7 +37,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
-        self.scales: dict[str, torch.Tensor] = {}  # an fp8 cache: k_scale and v_scale [blocks, block_size, kv_heads]
+        self.scales: dict[str, torch.Tensor] = {}  # an fp8 cache: k_scale and v_scale [blocks, kv_heads, block_size]
         self.backend: AttentionBackend | None = None
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,

@@ -8,7 +8,7 @@ class AttentionBackend:
     """What every attention implementation provides. Shapes:
     q [tokens, heads, head_dim]; k, v [tokens, kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
-    An fp8 cache (layers/attention/fp8.py) comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32:
+    An fp8 cache (layers/attention/fp8.py) comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32:
     stores quantize into it, and attention over cached K/V dequantizes; fresh k, v are used as they are.
 
     Each backend also builds its own per-step metadata (the Context) from the runner's host-side lists, and the

@@ -1,7 +1,9 @@
 """The 8-bit KV cache format: each token's K (and V) of each KV head is stored as float8 with one float32 scale,
 amax(|x|) / the format's largest value. A per-token-per-head scale needs no calibration data and follows outliers
 token by token (a per-layer scale would be set by the largest K anywhere); it costs 4 bytes per 128-element row,
-3% of the fp8 cache. The torch functions here are the reference the Triton kernels are tested against."""
+3% of the fp8 cache. In the cache the scales of one block are laid out [kv_heads, block_size], so a kernel reads a
+head's scales for consecutive tokens from consecutive addresses. The torch functions here are the reference the
+Triton kernels are tested against."""
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -18,6 +20,11 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     scale = (x.float().abs().amax(-1) / fmax).clamp(min=MIN_SCALE)
     values = (x.float() / scale.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
     return values, scale
+
+
+def cache_layout(scale: torch.Tensor) -> torch.Tensor:
+    """Row scales [..., block_size, kv_heads] (as quantize returns them) -> the cache's [..., kv_heads, block_size]."""
+    return scale.transpose(-1, -2).contiguous()
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,11 @@ from nanovllm.utils.context import Context
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
               scale: torch.Tensor | None = None) -> torch.Tensor:
     """The first `length` tokens of one sequence from the paged cache: [length, kv_heads, head_dim] (dequantized to
-    float32 when the cache is fp8, with its scales [num_blocks, block_size, kv_heads])."""
+    float32 when the cache is fp8, with its scales [num_blocks, kv_heads, block_size])."""
     block_size = cache.size(1)
     blocks = block_table[: (length + block_size - 1) // block_size].long()
     rows = raw(cache)[blocks].flatten(0, 1)[:length].view(cache.dtype)
-    return rows if scale is None else dequantize(rows, scale[blocks].flatten(0, 1)[:length])
+    return rows if scale is None else dequantize(rows, scale[blocks].transpose(1, 2).flatten(0, 1)[:length])
 
 
 class TorchAttention(AttentionBackend):
@@ -28,7 +28,8 @@ class TorchAttention(AttentionBackend):
             x = x[keep]
             if x_scale is not None:
                 x, s = quantize(x, cache.dtype)
-                x_scale.view(-1, x_scale.size(-1))[slots] = s
+                block_size = cache.size(1)
+                x_scale[slots // block_size, :, slots % block_size] = s  # [tokens, kv_heads] into [.., heads, slot]
             raw(cache).view(-1, *cache.shape[2:])[slots] = raw(x)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
@@ -57,8 +58,8 @@ class TorchAttention(AttentionBackend):
         k = raw(k_cache)[tables].flatten(1, 2).view(k_cache.dtype)  # [batch, max_len, kv_heads, head_dim]
         v = raw(v_cache)[tables].flatten(1, 2).view(v_cache.dtype)
         if k_scale is not None:
-            k = dequantize(k, k_scale[tables].flatten(1, 2))
-            v = dequantize(v, v_scale[tables].flatten(1, 2))
+            k = dequantize(k, k_scale[tables].transpose(2, 3).flatten(1, 2))
+            v = dequantize(v, v_scale[tables].transpose(2, 3).flatten(1, 2))
         qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
         valid = torch.arange(k.size(1), device=q.device) < context.context_lens.unsqueeze(1)  # [batch, max_len]

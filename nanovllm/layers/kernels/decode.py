@@ -7,9 +7,12 @@ so the launch can be captured in a CUDA graph; at run time each sequence's actua
 num_splits equal runs of whole BLOCK_N tiles. With one split the kernel writes the output directly; otherwise
 it writes fp32 partials (running max, sum, unnormalised acc) that a second kernel merges.
 
-An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head): K tiles are widened to q's
-type for q @ K^T and the scores multiplied by the K scales; the V scales are folded into p (a float16 q
-dequantizes the V tile instead: p * scale could leave float16's range).
+An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head), the scales of one block and
+head contiguous. With a 16-bit q the dots run in float16, whatever q's type: fp8 widens to float16 in one
+instruction (to bfloat16 it takes several, which made the kernel compute-bound; float16 also keeps more mantissa
+bits). K tiles are widened and the scores multiplied by the K scales; the V scales are folded into p, divided by
+the tile's largest V scale so that p stays in [0, 1] (float16's range), and that factor multiplies the tile's
+contribution. A float32 q (tests, float32 models) computes in float32.
 """
 import functools
 
@@ -31,11 +34,10 @@ MAX_SPLITS = 64
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, part_m_ptr, part_l_ptr,
                    part_acc_ptr, context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_table,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_sh, stride_table,
                    qk_scale,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   SCALE_V_TILE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
@@ -49,6 +51,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     heads = kv_head * GROUP + offs_g  # query heads served by this program, [BLOCK_G]
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]; padded rows are zeros
+    if QUANT and q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # (a bfloat16 q past float16's range)
 
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -64,14 +68,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         k = tl.load(k_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)
         if QUANT:
-            scale_off = block * stride_sb + row * stride_st + kv_head
+            scale_off = block * stride_sb + kv_head * stride_sh + row  # contiguous along the block's tokens
             k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(v_scale_ptr + scale_off, mask=mask_n, other=0.0)
-            k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
-            if SCALE_V_TILE:  # float16: p * v_scale could leave its range, so dequantize the tile instead
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            else:
-                v = v.to(q.dtype)
+            k = k.to(q.dtype)  # exact: every fp8 value is a float16
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         if QUANT:
             s = s * k_scale[None, :]
@@ -80,9 +81,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT and not SCALE_V_TILE:  # sum_n p_n (v_scale_n v8_n) = sum_n (p_n v_scale_n) v8_n: BLOCK_G x BLOCK_N
-            p = p * v_scale[None, :]     # multiplies instead of BLOCK_N x HEAD_DIM
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_max * sum_n (p_n v_scale_n / v_max) v8_n
+            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv * v_max
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -136,8 +140,8 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int,
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
-    if quant:  # half the bytes per tile: twice the keys for the same shared memory
-        return 128, 4, 3
+    if quant:  # measured on an H200 at batch 256 x context 1024 (benchmarks/decode_tiles.py)
+        return 64, 2, 3
     return 64, 4, 3
 
 
@@ -147,7 +151,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      v_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
     (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
-    An fp8 cache comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32.
+    An fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32.
 
     max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
     fix the grid. num_splits overrides the split heuristic (tests); config (BLOCK_N, num_warps, num_stages) the tile
@@ -186,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        SCALE_V_TILE=q.dtype == torch.float16, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

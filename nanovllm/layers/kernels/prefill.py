@@ -18,7 +18,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr,
-                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, qk_scale,
                  MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units)."""
@@ -35,7 +35,7 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_s
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if QUANT:
-        scale_off = block * stride_sb + row * stride_st
+        scale_off = block * stride_sb + row  # (the head's offset is in the pointers)
         k_scale = tl.load(k_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
         v_scale = tl.load(v_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
         k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
@@ -60,7 +60,7 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_s
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_sh,
                     stride_table, qk_scale,
                     GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -92,20 +92,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
-    k_scale_head_ptr = k_scale_ptr + kv_head  # (scales are [blocks, block_size, kv_heads])
-    v_scale_head_ptr = v_scale_ptr + kv_head
+    k_scale_head_ptr = k_scale_ptr + kv_head * stride_sh  # (scales are [blocks, kv_heads, block_size])
+    v_scale_head_ptr = v_scale_ptr + kv_head * stride_sh
     first_pos = len_k - len_q + tile * BLOCK_M
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
     n_end = len_k - len_q + tl.minimum((tile + 1) * BLOCK_M, len_q)  # one past the last row's last key
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
                                      v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_sb, stride_st, qk_scale,
+                                     stride_vt, stride_sb, qk_scale,
                                      False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
     for n0 in range(full_end, n_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
                                      v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_sb, stride_st, qk_scale,
+                                     stride_vt, stride_sb, qk_scale,
                                      True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -138,7 +138,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     block_tables None: k, v [tokens, kv_heads, head_dim] packed like q (causal self-attention).
     block_tables [num_seqs, max_blocks] int32: k, v are the caches [num_blocks, block_size, kv_heads, head_dim];
     sequence s attends over its first cu_seqlens_k[s+1] - cu_seqlens_k[s] cached tokens, its queries being the last
-    ones; an fp8 cache comes with k_scale, v_scale [num_blocks, block_size, kv_heads] float32. Returns
+    ones; an fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32. Returns
     [tokens, heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape

@@ -19,7 +19,7 @@ def _store_row(x, cache_ptr, scale_ptr, dst, scale_dst, mask, mask_h, QUANT: tl.
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                          stride_cb, stride_cs, stride_ch, stride_sb, stride_sh,
                           num_kv_heads,
                           BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                           QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -37,7 +37,7 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v
     # int64 slot arithmetic: one layer's cache can exceed 2**31 elements
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    scale_dst = block * stride_sb + offset * stride_ss + offs_h
+    scale_dst = block * stride_sb + offs_h * stride_sh + offset
     _store_row(k, k_cache_ptr, k_scale_ptr, dst, scale_dst, mask, mask_h, QUANT, FP8_MAX)
     _store_row(v, v_cache_ptr, v_scale_ptr, dst, scale_dst, mask, mask_h, QUANT, FP8_MAX)
 
@@ -47,7 +47,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                   v_scale: torch.Tensor | None = None) -> None:
     """k, v [tokens, kv_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim];
     slot_mapping [tokens] int32 (block * block_size + offset, -1 = skip). An fp8 cache comes with its
-    scales k_scale, v_scale [num_blocks, block_size, kv_heads] float32."""
+    scales k_scale, v_scale [num_blocks, kv_heads, block_size] float32."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
