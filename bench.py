@@ -4,6 +4,7 @@
     python bench.py --model PATH          # a real checkpoint
     python bench.py --engine hf           # also run HF transformers' continuous batching; print both and the ratio
     python bench.py --kv-cache-dtype fp8  # an 8-bit KV cache
+    python bench.py --dp 2                # two engine replicas (data parallel), each on its own GPU
 """
 import argparse
 import os
@@ -27,6 +28,10 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
     from nanovllm import LLM, SamplingParams
     kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tp, load_format="dummy" if args.dummy else "auto")
+    if args.dp > 1:
+        if args.profile:
+            raise SystemExit("--profile times one engine's steps: run it without --dp")
+        kwargs["data_parallel_size"] = args.dp
     if args.max_num_seqs:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.attention_backend:
@@ -47,6 +52,9 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
     if probe:
         probe.report()
     total = sum(len(o["token_ids"]) for o in outs)
+    for s in getattr(llm, "last_stats", []):  # data parallel: each replica's share
+        print(f"replica {s['replica']}: {s['requests']} requests, {s['output_tokens']} output tokens in "
+              f"{s['seconds']:.2f}s: {s['output_tokens'] / s['seconds']:,.0f} tok/s")
     if hasattr(llm, "exit"):
         llm.exit()
     print(f"nanovllm: {total} output tokens in {elapsed:.2f}s: {total / elapsed:,.0f} tok/s")
@@ -147,6 +155,7 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=0, help="0: the engine default")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--dp", type=int, default=1, help="data_parallel_size: engine replicas, each on --tp GPUs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step N+1 before reading step N's tokens (default: on for one CUDA rank)")

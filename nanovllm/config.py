@@ -20,6 +20,7 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # > 1: that many engine replicas in spawned processes (nanovllm/data_parallel.py)
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: carve from free memory; > 0: exactly this many
@@ -54,7 +55,8 @@ class Config:
         if not os.path.exists(self.model):
             raise ValueError(f"model path {self.model!r} does not exist; pass a local checkpoint directory "
                              "(config.json + safetensors) or a .gguf file")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         bs = self.kvcache_block_size

@@ -30,3 +30,15 @@ def test_rl_eval_benchmark_runs_on_cpu(qwen3_tied):
     computed = [int(line.rsplit(" ", 1)[1]) for line in lines]
     assert computed[1] < computed[2]  # n=4 prefills each prompt once; 4 separate requests more often
     assert computed[3:] == [6 * 30] * 3
+
+
+def test_bench_runs_data_parallel_on_cpu(qwen3_tied):
+    args = ["--model", qwen3_tied, "--dp", "2", "--num-seqs", "6", "--min-input", "5", "--max-input", "40",
+            "--min-output", "3", "--max-output", "12", "--max-token-id", "399", "--max-model-len", "256", "--no-tqdm"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = int(out.stdout.splitlines()[0].split(", ")[-1].split()[0])
+    replicas = [line for line in out.stdout.splitlines() if line.startswith("replica ")]
+    assert len(replicas) == 2 and sum(int(line.split(", ")[1].split()[0]) for line in replicas) == expected
+    assert f"nanovllm: {expected} output tokens" in out.stdout

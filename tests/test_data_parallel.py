@@ -1,0 +1,127 @@
+"""data_parallel_size: N engine replicas in spawned processes behind one LLM. On CPU each replica gets its share of
+the cores, so CI runs the same code path as a GPU host."""
+import multiprocessing
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.data_parallel import DataParallelLLM, ReplicaError, route
+from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
+
+OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(rng.randint(3, 60))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("dp_chat"), "qwen3", tie=True, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def dp(chat_model):
+    with LLM(chat_model, data_parallel_size=2, **OPTIONS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def single(chat_model):
+    with LLM(chat_model, **OPTIONS) as llm:
+        yield llm
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)] * 4
+
+
+def test_outputs_equal_one_engine_in_input_order(dp, single):
+    assert isinstance(dp, DataParallelLLM) and dp.num_replicas == 2
+    prompts = _prompts(0, 12)
+    prompts[5] = prompts[0] + [1, 2, 3]  # shares prompt 0's first block: routed to the same replica
+    expected = single.generate(prompts, _params(), use_tqdm=False)
+    outs = dp.generate(prompts, _params(), use_tqdm=False)
+    assert [o["outputs"] for o in outs] == [o["outputs"] for o in expected]
+    assert [o["prompt_token_ids"] for o in outs] == prompts
+    assert sorted(s["replica"] for s in dp.last_stats) == [0, 1] and all(s["requests"] for s in dp.last_stats)
+    assert sum(s["output_tokens"] for s in dp.last_stats) == sum(len(o["token_ids"]) for out in outs
+                                                                 for o in out["outputs"])
+
+
+def test_streaming_and_chat_equal_one_engine(dp, single):
+    prompts = _prompts(1, 7)
+    expected = single.generate(prompts, _params()[:7], use_tqdm=False)
+    streamed: dict[tuple[int, int], list[int]] = {}
+    for item in dp.stream(prompts, _params()[:7]):
+        streamed.setdefault((item["index"], item["sample_index"]), []).extend(item["token_ids"])
+    assert streamed == {(i, j): o["token_ids"] for i, out in enumerate(expected) for j, o in enumerate(out["outputs"])}
+    conversations = [[{"role": "user", "content": q}] for q in ("Hello world!", "How are you?", "Paris?")]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o["token_ids"] for o in dp.chat(conversations, greedy, use_tqdm=False)] == \
+        [o["token_ids"] for o in single.chat(conversations, greedy, use_tqdm=False)]
+
+
+def test_bad_requests_and_an_abandoned_stream_leave_the_replicas_working(dp, single):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for prompts, error, match in [([[1, 2, 3], []], ValueError, "prompt is empty"),
+                                  ([[1, 2, 3], [1, 999]], ValueError, "outside the vocabulary"),
+                                  ([1, 2, 3], TypeError, "flat list of ints")]:
+        with pytest.raises(error, match=match):
+            dp.generate(prompts, greedy, use_tqdm=False)
+        with pytest.raises(error, match=match):
+            dp.stream(prompts, greedy)
+    running = dp.stream(_prompts(2, 6), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(running)
+    running.close()
+    prompts = _prompts(3, 4)
+    assert [o["token_ids"] for o in dp.generate(prompts, greedy, use_tqdm=False)] == \
+        [o["token_ids"] for o in single.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_routing_keeps_prefixes_together_and_balances_tokens():
+    shares = route([100, 10, 10, 100, 50, 40], ["a", "b", "c", "a", "d", "e"], 2)
+    assert sorted(shares, key=len) == [[0, 3], [1, 2, 4, 5]]  # 200 tokens against 110
+    assert route([5] * 4, [1, 2, 3, 4], 3) == [[0, 3], [1], [2]]
+
+
+def test_a_killed_replica_raises_and_nothing_is_left(chat_model):
+    llm = LLM(chat_model, data_parallel_size=2, **OPTIONS)
+    processes = list(llm.processes)
+    os.kill(processes[1].pid, signal.SIGKILL)
+    with pytest.raises(ReplicaError, match="replica 1 exited unexpectedly \\(exit code -9\\)"):
+        llm.generate(_prompts(4, 6), SamplingParams(max_tokens=50), use_tqdm=False)
+    assert all(not p.is_alive() for p in processes) and not set(processes) & set(multiprocessing.active_children())
+    with pytest.raises(ReplicaError, match="shut down after a failure"):
+        llm.generate(_prompts(4, 2), use_tqdm=False)
+    llm.exit()
+
+
+def test_bad_options_fail_before_any_process_starts(chat_model, monkeypatch):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        LLM(chat_model, data_parallel_size=0)
+    with pytest.raises(TypeError, match="data_parallel_size must be int"):
+        LLM(chat_model, data_parallel_size="2")
+    with pytest.raises(TypeError, match="unknown option"):
+        LLM(chat_model, data_parallel_size=2, no_such_option=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=2 needs 4 GPUs but only 3"):
+        LLM(chat_model, device="cuda", data_parallel_size=2, tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_exit_leaves_no_process(chat_model):
+    with LLM(chat_model, data_parallel_size=2, **OPTIONS) as llm:
+        processes = list(llm.processes)
+    assert all(p.exitcode == 0 for p in processes)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
