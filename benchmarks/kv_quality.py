@@ -50,9 +50,10 @@ def main():
             equal += first == args.max_tokens
             firsts.append(first)
             deltas += [abs(out["logprobs"][i][a[i]] - ref["logprobs"][i][b[i]]) for i in range(first)]
+        mean = f"{sum(deltas) / len(deltas):.4f} max {max(deltas):.4f}" if deltas else "- (no agreeing token)"
         print(f"{dtype:9s} vs auto: {equal}/{len(firsts)} prompts equal for {args.max_tokens} tokens, median first "
-              f"difference at token {sorted(firsts)[len(firsts) // 2]}, |delta logprob| mean "
-              f"{sum(deltas) / len(deltas):.4f} max {max(deltas):.4f} over {len(deltas)} agreeing tokens")
+              f"difference at token {sorted(firsts)[len(firsts) // 2]}, |delta logprob| mean {mean} over "
+              f"{len(deltas)} agreeing tokens")
 
 
 if __name__ == "__main__":

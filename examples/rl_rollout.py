@@ -53,10 +53,10 @@ def main():
     policy = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(model), dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
 
     for iteration in range(args.iterations):
         t = time.perf_counter()
+        sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=iteration)
         outputs = llm.chat(conversations, sampling, use_tqdm=False)  # rollouts: n samples per prompt
         rewards = rewards_of(outputs, args.max_tokens)
         advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)

@@ -231,8 +231,11 @@ def test_collective_rpc_on_one_rank(qwen3_tied):
     for bad in ("_prepare_decode", "no_such_method", 3):
         with pytest.raises(ValueError, match="not a public ModelRunner method; valid:.*describe"):
             llm.collective_rpc(bad)
-    with pytest.raises(TypeError, match="bad arguments for ModelRunner.sleep"):
-        llm.collective_rpc("sleep", kwargs={"depth": 1})
+    with pytest.raises(TypeError, match="bad arguments for ModelRunner.describe"):
+        llm.collective_rpc("describe", kwargs={"depth": 1})
+    for method, instead in (("update_weights", "update_weights"), ("sleep", "sleep"), ("wake_up", "wake_up")):
+        with pytest.raises(ValueError, match=f"would bypass the engine's prefix cache .* call llm.{instead}\\(\\)"):
+            llm.collective_rpc(method)
     running = llm.stream([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     next(running)
     with pytest.raises(RuntimeError, match="while requests are running"):

@@ -274,6 +274,42 @@ def test_sleep_and_wake_up(qwen3_tied):
     assert after[0]["num_cached_tokens"] == 0  # the cache was freed, so nothing is served from it
 
 
+def test_after_sleep_level_2_every_weight_must_come_back(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    state = hf_model(qwen3_tied).state_dict()
+    llm.sleep(level=2)
+    with pytest.raises(ValueError, match="lacks weights for: model.embed_tokens.weight"):
+        llm.update_weights({"model.norm.weight": state["model.norm.weight"]})  # a subset: the rest would be garbage
+    assert llm.is_sleeping()
+    llm.update_weights(state)
+    llm.wake_up()
+    prompt = _prompts(18, [20])[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
+    llm.update_weights({"model.norm.weight": state["model.norm.weight"]})  # awake, a subset is fine
+
+
+def test_reset_prefix_cache_and_argument_checks(llm):
+    prompt = _prompts(19, [40])[0]
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 32
+    llm.reset_prefix_cache()
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 0
+    with pytest.raises(ValueError, match="sleep level must be 1"):
+        llm.sleep(True)
+    with pytest.raises(TypeError, match="tags must be a list, e.g. \\['weights'\\]"):
+        llm.wake_up("weights")
+
+
+def test_auto_backend_avoids_flash_attn_for_an_fp8_cache(monkeypatch):
+    import importlib.util
+
+    from nanovllm.layers.attention import get_backend
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else find_spec(name, *a))
+    assert get_backend("auto", "cuda", fp8_kv_cache=True).name == "triton"
+
+
 def test_sleep_level_2_then_new_weights(qwen3_tied, qwen3_b):
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
     prompt = _prompts(15, [25])[0]

@@ -64,8 +64,8 @@ def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None
     kv_cache = torch.empty(*shape, runner.block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype,
                            device=runner.device)
     # fp8: scales start at 0, so a slot never written reads as zeros (not NaN) like the memory past a sequence
-    kv_scale = torch.zeros(*shape, layer.num_kv_heads, runner.block_size, device=runner.device) \
-        if is_fp8(dtype) else None
+    kv_scale = torch.zeros(*shape, layer.num_kv_heads, runner.block_size, dtype=torch.float32,
+                           device=runner.device) if is_fp8(dtype) else None
     for i, attn in enumerate(runner.attn_layers):
         attn.bind(kv_cache[0, i], kv_cache[1, i], *((kv_scale[0, i], kv_scale[1, i]) if kv_scale is not None else ()))
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, runner.block_size,

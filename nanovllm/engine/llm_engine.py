@@ -92,11 +92,23 @@ class LLMEngine:
             raise RuntimeError(f"{what}() called while requests are running (an unfinished stream, or requests "
                                "added with add_request); finish or abandon them first")
 
+    # the engine keeps books on these (prefix cache, what is asleep): they go through its own methods
+    _ENGINE_RPCS = {"update_weights": "update_weights", "sleep": "sleep", "wake_up": "wake_up",
+                    "check_weights": "update_weights"}
+
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
         workers); returns each rank's result, in rank order. E.g. `llm.collective_rpc("describe")`."""
         self._check_idle("collective_rpc")
+        if method in self._ENGINE_RPCS:
+            raise ValueError(f"collective_rpc({method!r}) would bypass the engine's prefix cache and sleep state; "
+                             f"call llm.{self._ENGINE_RPCS[method]}() instead")
         return self.executor.collective_rpc(method, tuple(args), kwargs)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (vLLM's name), e.g. after changing weights some other way."""
+        self._check_idle("reset_prefix_cache")
+        self.scheduler.block_manager.reset_prefix_cache()
 
     # ---- RL loops: new weights, and the GPU memory back while training -----------------------------
     def update_weights(self, weights) -> None:
@@ -104,7 +116,7 @@ class LLMEngine:
         checkpoint's parameter names (q/k/v and gate/up are fused as when loading; a subset is fine). Every name
         and shape is checked before any weight changes (ValueError). Refused while requests are running; the
         prefix cache is emptied, so nothing computed with the old weights is reused. While asleep, the weights
-        are woken up first (after sleep(level=2) this is how they come back)."""
+        are woken up first (after sleep(level=2) this is how they come back, and every weight must be sent)."""
         self._check_idle("update_weights")
         if isinstance(weights, (str, os.PathLike)):
             weights = os.fspath(weights)
@@ -117,13 +129,15 @@ class LLMEngine:
         else:
             raise TypeError(f"update_weights takes (name, tensor) pairs, a state dict or a checkpoint directory, "
                             f"got {type(weights).__name__}")
-        self.executor.runner.check_weights(weights)
+        require_all = self._weights_discarded  # after sleep(level=2) nothing of the old weights is left
+        self.executor.runner.check_weights(weights, require_all)
         if "weights" in self._asleep:
             self.wake_up(["weights"])
         if self.config.tensor_parallel_size > 1 and not isinstance(weights, str):  # they travel pickled
             weights = [(name, tensor.detach().cpu()) for name, tensor in weights]
-        self.executor.collective_rpc("update_weights", (weights,))
+        # first: should the copy fail half-way, nothing cached under the old weights may be served
         self.scheduler.block_manager.reset_prefix_cache()
+        self.executor.collective_rpc("update_weights", (weights, require_all))
         self._weights_discarded = False
 
     def sleep(self, level: int = 1) -> None:
@@ -131,19 +145,22 @@ class LLMEngine:
         moves the weights to host memory; 2 frees the weights too (send new ones with update_weights). The prefix
         cache is emptied. Until wake_up(), generate raises."""
         self._check_idle("sleep")
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got {level!r}")
         if self._asleep:
             raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call wake_up()")
-        self.executor.collective_rpc("sleep", (level,))
+        # the books first: should freeing fail half-way, generate still refuses and wake_up restores what went
         self.scheduler.block_manager.reset_prefix_cache()
         self._asleep = {"weights", "kv_cache"}
         self._weights_discarded = level == 2
+        self.executor.collective_rpc("sleep", (level,))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what sleep() freed: tags "weights" and/or "kv_cache" (default both; the weights must be
         awake before the KV cache, whose CUDA graphs read them)."""
         self._check_idle("wake_up")
+        if isinstance(tags, str):
+            raise TypeError(f"tags must be a list, e.g. [{tags!r}]")
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:

@@ -10,6 +10,7 @@ from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, Ste
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.warmup import warmup_prefill_variants
 from nanovllm.layers.attention import Attention, get_backend
+from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.compile import use_compiled_ops
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
@@ -46,7 +47,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = get_backend(config.attention_backend, config.device)
+        self.backend = get_backend(config.attention_backend, config.device, is_fp8(config.kv_cache_torch_dtype))
         self.backend.check_head_dim(self.attn_layers[0].head_dim)
         self.backend.check_kv_cache_dtype(config.kv_cache_torch_dtype)
         for layer in self.attn_layers:
@@ -99,19 +100,19 @@ class ModelRunner:
         with _default_dtype(self.config.torch_dtype), torch.device("meta"), building_for(self.group):
             return build_model(self.config.hf_config)
 
-    def check_weights(self, weights: list | str):
-        """Raise ValueError/TypeError for a name or shape that does not fit, without changing any weight
-        (the same routing and checks as loading, run against a meta copy)."""
+    def check_weights(self, weights: list | str, require_all: bool = False):
+        """Raise ValueError/TypeError for a name or shape that does not fit (or, with require_all, a weight
+        missing), without changing any weight: the same routing and checks as loading, against a meta copy."""
         load_named_weights(self._layout_copy(), iter_weights(weights) if isinstance(weights, str) else weights,
-                           weights if isinstance(weights, str) else "update_weights", require_all=False)
+                           weights if isinstance(weights, str) else "update_weights", require_all)
 
     @torch.inference_mode()
-    def update_weights(self, weights: list | str):
+    def update_weights(self, weights: list | str, require_all: bool = False):
         """Copy (name, tensor) pairs, or a checkpoint directory's tensors, into this rank's shards in place (CUDA
         graphs keep pointing at the same memory)."""
         source = weights if isinstance(weights, str) else "update_weights"
         load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
-                           require_all=False)
+                           require_all)
         if self.is_cuda:
             torch.cuda.synchronize()
 
@@ -322,9 +323,11 @@ class ModelRunner:
         """Copy whole KV blocks (every layer, K and V), after the step that wrote the sources."""
         src, dst = (self._to_device(list(ids), torch.int64) for ids in zip(*copies))
         for cache in (self.kv_cache, self.kv_scale):
-            if cache is not None:  # as bytes: index copies need not support float8
-                raw = cache.view(torch.uint8)
-                raw[:, :, dst] = raw[:, :, src]
+            if cache is None:
+                continue
+            raw = cache.view(torch.uint8)  # as bytes: index copies need not support float8
+            for layer in range(raw.size(1)):  # one layer at a time: the gathered copy is a temporary
+                raw[:, layer, dst] = raw[:, layer, src]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.is_cuda:

@@ -10,13 +10,14 @@ from nanovllm.utils.context import get_context
 BACKENDS = ("torch", "triton", "flash_attn")
 
 
-def get_backend(name: str, device: str) -> AttentionBackend:
-    """'auto' picks flash_attn when importable on CUDA, else our Triton kernels; torch on CPU."""
+def get_backend(name: str, device: str, fp8_kv_cache: bool = False) -> AttentionBackend:
+    """'auto' picks flash_attn when importable on CUDA (and the cache is 16-bit), else our Triton kernels; torch
+    on CPU."""
     if name == "auto":
         if device != "cuda":
             name = "torch"
         else:
-            name = "flash_attn" if importlib.util.find_spec("flash_attn") else "triton"
+            name = "flash_attn" if importlib.util.find_spec("flash_attn") and not fp8_kv_cache else "triton"
     if name == "torch":
         from nanovllm.layers.attention.torch_ref import TorchAttention
         return TorchAttention()
