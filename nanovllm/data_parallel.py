@@ -47,12 +47,12 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     import torch
 
-    from nanovllm.llm import LLM
+    from nanovllm.engine.llm_engine import LLMEngine
     torch.set_num_threads(threads)
     logger.setLevel(log_level)
     llm = None
     try:
-        llm = LLM(model, **kwargs)
+        llm = LLMEngine(model, **kwargs)
         conn.send(("ready", llm.num_kvcache_blocks))
         while True:
             message = conn.recv()
