@@ -52,20 +52,24 @@ class TorchAttention(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+        """Gathers each sequence's tokens up to the batch's longest context (not whole blocks), then one SDPA.
+        Positions past a sequence's own context read its last real token, so they hold finite values (the cache
+        past a sequence can hold anything, NaN too) and the mask gives them no weight."""
         batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.size(2)
-        tables = context.block_tables.clamp(min=0).long()  # [batch, max_blocks]; -1 padding is masked below
-        k = raw(k_cache)[tables].flatten(1, 2).view(k_cache.dtype)  # [batch, max_len, kv_heads, head_dim]
-        v = raw(v_cache)[tables].flatten(1, 2).view(v_cache.dtype)
+        block_size, num_kv_heads = k_cache.size(1), k_cache.size(2)
+        lens = context.context_lens.long()
+        length = int(lens.max()) if batch else 0
+        pos = torch.minimum(torch.arange(length, device=q.device).unsqueeze(0), (lens - 1).clamp(min=0).unsqueeze(1))
+        blocks = context.block_tables.long().gather(1, pos // block_size).clamp(min=0)  # [batch, length]
+        offsets = pos % block_size
+        k = raw(k_cache)[blocks, offsets].view(k_cache.dtype)  # [batch, length, kv_heads, head_dim]
+        v = raw(v_cache)[blocks, offsets].view(v_cache.dtype)
         if k_scale is not None:
-            k = dequantize(k, k_scale[tables].transpose(2, 3).flatten(1, 2))
-            v = dequantize(v, v_scale[tables].transpose(2, 3).flatten(1, 2))
-        qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
-        valid = torch.arange(k.size(1), device=q.device) < context.context_lens.unsqueeze(1)  # [batch, max_len]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows of padding (context 0) give zeros
-        # Slots past a sequence's length hold whatever the memory held (NaN too), and 0 * NaN is NaN.
-        v.masked_fill_(~valid[:, :, None, None], 0.0)  # v is a gathered copy, not the cache
-        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+            k = dequantize(k, k_scale[blocks, :, offsets])
+            v = dequantize(v, v_scale[blocks, :, offsets])
+        valid = torch.arange(length, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [batch, length]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), k.transpose(1, 2).float(),
+                                             v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :],
+                                             scale=scale, enable_gqa=num_heads != num_kv_heads)
+        # a context of 0 (no key at all) gives NaN rows: zeros, as the kernels write
+        return out.squeeze(2).nan_to_num(0.0).to(q.dtype)
