@@ -16,6 +16,7 @@ from multiprocessing import connection, get_context
 
 from nanovllm.chat import ChatMixin
 from nanovllm.config import Config
+from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -164,10 +165,11 @@ class DataParallelLLM(ChatMixin):
                 if message is not None:
                     self._fail(f"data-parallel replica {rank} raised:\n{message[1]}", message[2])
                 process.join(5.0)  # the pipe closed: the replica is exiting
-                self._fail(f"data-parallel replica {rank} exited unexpectedly (exit code {process.exitcode})")
-            if process.sentinel in ready and not conn.poll():
-                process.join(1.0)
-                self._fail(f"data-parallel replica {rank} exited unexpectedly (exit code {process.exitcode})")
+            elif not (process.sentinel in ready and not conn.poll()):
+                continue
+            process.join(1.0)
+            hint = SPAWN_HINT if "ready" in expected else ""  # it died before it could start
+            self._fail(f"data-parallel replica {rank} exited unexpectedly (exit code {process.exitcode}){hint}")
 
     def _fail(self, text: str, user_error: BaseException | None = None):
         self.failure = text

@@ -125,3 +125,19 @@ def test_exit_leaves_no_process(chat_model):
     assert all(p.exitcode == 0 for p in processes)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("option", ["data_parallel_size", "tensor_parallel_size"])
+def test_a_script_without_a_main_guard_is_told_so(chat_model, tmp_path, option):
+    """Spawned replicas and workers import the user's script again; one that builds the LLM at module level makes
+    them fail at start. The error says what to change."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from nanovllm import LLM\nllm = LLM({chat_model!r}, {option}=2, max_model_len=256, "
+                      "kvcache_block_size=16, num_kvcache_blocks=32)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]

@@ -79,18 +79,20 @@ def test_bad_sampling_params(kwargs, error, match):
         SamplingParams(**kwargs)
 
 
-def test_smallest_cache_runs_a_max_model_len_prompt(qwen3_tied):
+def test_smallest_cache_runs_the_longest_prompt(qwen3_tied):
     """A cache of fewer than max_model_len tokens is refused at start, so every prompt within max_model_len fits:
-    with the smallest cache accepted, a max_model_len prompt runs (one token, then "length"), a longer one is
-    refused by the max_model_len check."""
+    with the smallest cache accepted, a prompt of max_model_len - 1 tokens runs (one token, then "length"); one of
+    max_model_len tokens leaves no room for output and is refused, as is a longer one."""
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=3, max_model_len=64)
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=64)
-    prompt = [(7 * i + 2) % 400 for i in range(64)]
+    prompt = [(7 * i + 2) % 400 for i in range(63)]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(qwen3_tied, prompt, 1) and out["finish_reason"] == "length"
-    with pytest.raises(ValueError, match="65 tokens, more than max_model_len=64"):
+    with pytest.raises(ValueError, match="64 tokens: max_model_len=64 leaves no room for an output token"):
         llm.generate([prompt + [5]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="65 tokens, more than max_model_len=64"):
+        llm.generate([prompt + [5, 6]], GREEDY, use_tqdm=False)
     _still_exact(llm, qwen3_tied)
 
 

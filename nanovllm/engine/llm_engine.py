@@ -196,6 +196,9 @@ class LLMEngine:
         if len(token_ids) > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}: "
                              "shorten it or raise max_model_len")
+        if len(token_ids) == max_len:  # prompt + output must fit in max_model_len
+            raise ValueError(f"prompt has {len(token_ids)} tokens: max_model_len={max_len} leaves no room for an "
+                             "output token; shorten it or raise max_model_len")
         return token_ids
 
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:

@@ -37,6 +37,11 @@ EXIT_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to leave on its ow
 FAILURE_GRACE_S = 5.0  # after a failed step, how long to wait for a worker's report that explains it
 
 
+# A spawned process re-imports the user's script: one that builds an engine at module level starts another there.
+SPAWN_HINT = ("; it died before starting: if your script builds the LLM at module level, put that under "
+              "`if __name__ == \"__main__\":` (these processes are spawned and import the script again)")
+
+
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed (or the engine was shut down after a failure)."""
 
@@ -153,6 +158,7 @@ class Workers:
     # -- watching --
     def _watch(self):
         waitables: dict = {}
+        started: set[int] = set()
         for rank, (process, conn) in enumerate(zip(self.processes, self._conns), start=1):
             waitables[conn] = waitables[process.sentinel] = rank
         while waitables and not self._stop.is_set():
@@ -173,6 +179,8 @@ class Workers:
                             self._replies[rank] = text
                             self._cond.notify_all()
                     else:
+                        if kind == "started":
+                            started.add(rank)
                         with self._cond:
                             self._counts[kind] += 1
                             self._cond.notify_all()
@@ -181,7 +189,8 @@ class Workers:
                     process = self.processes[rank - 1]
                     process.join(1.0)
                     self._record_failure(f"a worker failure: tensor-parallel worker rank {rank} exited "
-                                         f"unexpectedly (exit code {process.exitcode})")
+                                         f"unexpectedly (exit code {process.exitcode})"
+                                         f"{'' if rank in started else SPAWN_HINT}")
 
     def _record_failure(self, text: str):
         with self._cond:
