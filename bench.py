@@ -15,6 +15,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "benchmarks", "configs", "qwen3-0.6b")
 
 
+GPU_WORKLOAD = dict(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024)  # nano-vllm's
+CPU_WORKLOAD = dict(num_seqs=32, min_input=32, max_input=256, min_output=64, max_output=128)
+
+
 def workload(args) -> tuple[list[list[int]], list[int]]:
     """seed 0; prompts of random ids in [0, max_token_id], lengths and max_tokens uniform in the given ranges."""
     seed(args.seed)
@@ -117,8 +121,10 @@ def run_hf(args, prompts, max_tokens) -> float:
     if args.dummy:
         config = AutoConfig.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    else:  # (a .gguf file is read from nanovllm's converted copy)
+        from nanovllm.utils.loader import resolve_checkpoint
+        model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(args.model), dtype=dtype,
+                                                     attn_implementation="sdpa")
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=args.temperature,
                            eos_token_id=-1, pad_token_id=0)
@@ -145,11 +151,11 @@ def main():
     p.add_argument("--model", default=None, help="checkpoint directory (default: Qwen3-0.6B config, dummy weights)")
     p.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm",
                    help="hf: run nanovllm and then HF continuous batching on the same workload")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-input", type=int, default=100)
-    p.add_argument("--max-input", type=int, default=1024)
-    p.add_argument("--min-output", type=int, default=100)
-    p.add_argument("--max-output", type=int, default=1024)
+    p.add_argument("--num-seqs", type=int, default=None, help="default 256 (CUDA), 32 (CPU)")
+    p.add_argument("--min-input", type=int, default=None, help="default 100 (CUDA), 32 (CPU)")
+    p.add_argument("--max-input", type=int, default=None, help="default 1024 (CUDA), 256 (CPU)")
+    p.add_argument("--min-output", type=int, default=None, help="default 100 (CUDA), 64 (CPU)")
+    p.add_argument("--max-output", type=int, default=None, help="default 1024 (CUDA), 128 (CPU)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids are uniform in [0, this]")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -166,6 +172,16 @@ def main():
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--profile", action="store_true", help="print wall vs GPU time per prefill/decode step")
     args = p.parse_args()
+    import torch
+    sizes = GPU_WORKLOAD if torch.cuda.is_available() else CPU_WORKLOAD
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.model is None and not torch.cuda.is_available():
+        from nanovllm.utils.bundled import default_model_path
+        args.model = default_model_path()
+        print(f"no CUDA: the bundled SmolLM2-135M and a CPU-sized workload ({args.num_seqs} sequences; the GPU "
+              "workload would take hours here); --model and the size options change it")
     if args.model is None:
         args.model, args.dummy = DEFAULT_CONFIG, True
     prompts, max_tokens = workload(args)

@@ -37,6 +37,16 @@ def single(chat_model):
         yield llm
 
 
+def _same(outs: list[dict], expected: list[dict]):
+    """Tokens, text and finish reasons equal; logprobs equal up to float rounding (a replica batches the requests
+    differently, and the float sums of a step depend a little on what shares it)."""
+    for out, ref in zip(outs, expected, strict=True):
+        for a, b in zip(out["outputs"], ref["outputs"], strict=True):
+            assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}
+            for x, y in zip(a.get("logprobs", []), b.get("logprobs", []), strict=True):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
 def _params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=1),
@@ -49,7 +59,7 @@ def test_outputs_equal_one_engine_in_input_order(dp, single):
     prompts[5] = prompts[0] + [1, 2, 3]  # shares prompt 0's first block: routed to the same replica
     expected = single.generate(prompts, _params(), use_tqdm=False)
     outs = dp.generate(prompts, _params(), use_tqdm=False)
-    assert [o["outputs"] for o in outs] == [o["outputs"] for o in expected]
+    _same(outs, expected)
     assert [o["prompt_token_ids"] for o in outs] == prompts
     assert sorted(s["replica"] for s in dp.last_stats) == [0, 1] and all(s["requests"] for s in dp.last_stats)
     assert sum(s["output_tokens"] for s in dp.last_stats) == sum(len(o["token_ids"]) for out in outs
