@@ -16,6 +16,7 @@ from multiprocessing import connection, get_context
 
 from nanovllm.chat import ChatMixin
 from nanovllm.config import Config
+from nanovllm.engine.llm_engine import as_request_lists
 from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
 
@@ -188,18 +189,8 @@ class DataParallelLLM(ChatMixin):
     def _dispatch(self, kind: str, prompts, sampling_params) -> list[list[int]]:
         """Validate the call's shape, route the requests, send each replica its share; returns the shares."""
         self._check()
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
-        if prompts and all(isinstance(p, int) for p in prompts):
-            raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
-        # None: each replica applies the checkpoint's defaults (generation_config.json), as one engine does
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
-            [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one "
-                             "SamplingParams or exactly one per prompt")
+        # None stays None: each replica applies the checkpoint's defaults (generation_config.json), as one engine does
+        prompts, params = as_request_lists(prompts, sampling_params)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p for p in prompts]
         block = self.config.kvcache_block_size
         keys, tokens = [], []

@@ -41,6 +41,22 @@ def _num_tokens(batch: ScheduledBatch) -> int:
     return sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill else -len(batch.seqs)
 
 
+def as_request_lists(prompts, sampling_params) -> tuple[list, list]:
+    """The call's prompts and one sampling_params entry per prompt (a single value repeated), shapes checked."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
+    if not isinstance(sampling_params, (list, tuple)):
+        return list(prompts), [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                         "pass one SamplingParams or exactly one per prompt")
+    return list(prompts), list(sampling_params)
+
+
 def default_sampling_params(model: str) -> SamplingParams:
     """SamplingParams from the checkpoint's generation_config.json where it sets them."""
     gen = load_generation_config(model)
@@ -336,20 +352,8 @@ class LLMEngine:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
-        if prompts and all(isinstance(p, int) for p in prompts):
-            raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
-        if sampling_params is None:
-            sampling_params = self.default_sampling_params
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
-                                 "pass one SamplingParams or exactly one per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
+        prompts, sampling_params = as_request_lists(
+            prompts, self.default_sampling_params if sampling_params is None else sampling_params)
         if not self.scheduler.is_finished():
             raise RuntimeError("generate() called while other requests are still running (an unfinished "
                                "stream, or requests added with add_request)")
