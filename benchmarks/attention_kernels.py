@@ -45,7 +45,7 @@ from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
 from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
-from nanovllm.layers.kernels.decode import decode_attention, num_decode_splits  # noqa: E402
+from nanovllm.layers.kernels.decode import _decode_config, decode_attention, decode_splits  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
@@ -97,11 +97,13 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
     lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     contexts = [Context(False, context_lens=lens, block_tables=perm[c].contiguous()) for c in range(copies)]
     scale = head_dim ** -0.5
-    num_splits = 1 if splits == "1" else num_decode_splits(batch, kv_heads, blocks_per_seq * block_size, q.device)
+    block_n = _decode_config(head_dim, q.dtype, KV_DTYPE is not None)[0]
+    num_splits = 1 if splits == "1" else decode_splits(batch, kv_heads, blocks_per_seq * block_size, block_n,
+                                                       q.device)[0]
 
     def triton_decode(ctx: Context) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                                num_splits=num_splits, **scales)
+                                num_splits=1 if splits == "1" else None, **scales)
 
     ref = TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale, **scales)
     torch.testing.assert_close(triton_decode(contexts[0]).float(), ref.float(), **TOL)

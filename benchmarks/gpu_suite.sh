@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|tiles|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
+#                                 tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
-steps=${*:-tests kernels bench sampling}
+steps=${*:-tests kernels bench plain sampling}
 has() { [[ " $steps " == *" $1 "* ]]; }
 summary=()
 # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, print the log's last lines
@@ -28,11 +29,35 @@ if has kernels; then
 fi
 if has bench; then
   step bench 240 python3 bench.py --profile --no-tqdm  # async scheduling, the default on one GPU
+fi
+if has plain; then
   step bench_plain 240 python3 bench.py --no-async-scheduling --profile --no-tqdm
 fi
 if has fp8; then
   step bench_fp8 240 python3 bench.py --kv-cache-dtype fp8 --profile --no-tqdm
   TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
+fi
+if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
+  TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick
+fi
+if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-like contexts
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for kv in auto fp8; do
+    TAIL=3 step "ncu_$kv" 200 "$NCU" --clock-control none --kernel-name regex:_decode_kernel --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section InstructionStats python3 benchmarks/decode_tiles.py --once --kv-cache-dtype $kv --shapes 256xbench \
+      --configs default
+  done
+fi
+if has profile; then  # kernel time per step (torch.profiler): decode at several batch sizes, a 16k-token prefill
+  TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:64:100-2048 \
+    decode:16:512 decode:1:512 prefill:8:2048
+  TAIL=24 step profile_fp8 200 python3 benchmarks/profile_step.py --kv-cache-dtype fp8 --cases decode:256:100-1024 \
+    decode:64:100-2048
+fi
+if has dp1; then  # the data-parallel front with one replica is the plain engine: the same throughput
+  step bench_dp1 240 python3 bench.py --dp 1 --no-tqdm
 fi
 if has eager; then
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm

@@ -63,9 +63,9 @@ def test_kernels_compile_for_hopper():
             dict(GROUP=2, PAGED=paged, BLOCK_SIZE=16 if head_dim == 64 else 256, BLOCK_M=block_m, BLOCK_N=block_n,
                  HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
             num_warps=warps, num_stages=stages)
-    for dtype, head_dim, group, splits, kv in [(torch.bfloat16, 128, 2, 1, None), (torch.bfloat16, 128, 8, 4, None),
-                                               (torch.float32, 64, 1, 4, None), (torch.bfloat16, 128, 2, 1, "*fp8e4nv"),
-                                               (torch.bfloat16, 128, 2, 4, "*fp8e5")]:
+    for dtype, head_dim, group, kv in [(torch.bfloat16, 128, 2, None), (torch.bfloat16, 128, 8, None),
+                                       (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
+                                       (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
         block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None)
         _compile_for_hopper(
@@ -73,12 +73,12 @@ def test_kernels_compile_for_hopper():
             | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
             | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
             | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
-            dict(GROUP=group, BLOCK_G=max(16, group), NUM_SPLITS=splits, BLOCK_SIZE=256, BLOCK_N=block_n,
+            dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n,
                  HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
             num_warps=warps, num_stages=stages)
     _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                                       "part_acc_ptr": "*fp32"},
-                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128), num_warps=4)
+                                                       "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
+                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",

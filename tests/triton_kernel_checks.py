@@ -141,7 +141,9 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
 
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                 num_splits: int | None = None, device="cpu", kv_dtype=None):
+                 num_splits: int | None = None, device="cpu", kv_dtype=None, max_split_tokens: int | None = None):
+    """num_splits None: the engine's split heuristic (splits of a fixed length, max_split_tokens if given);
+    else each context cut into num_splits equal runs."""
     batch = len(context_lens)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
     extra = {}
@@ -156,13 +158,15 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     context = Context(False, context_lens=lens, block_tables=tables)
     scale = head_dim ** -0.5
-    if num_splits is None:
+    if max_split_tokens is not None:
+        out = decode_attention(q, k_cache, v_cache, lens, tables, scale, max_split_tokens=max_split_tokens, **extra)
+    elif num_splits is None:
         out = TritonAttention().decode(q, k_cache, v_cache, context, scale, **extra)
     else:
         out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits, **extra)
     ref = reference(lambda *a: TorchAttention().decode(*a, **extra), q, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype}",
-                 bool(extra))
+    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype} "
+                 f"max_split_tokens={max_split_tokens}", bool(extra))
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros, like the reference
             assert torch.equal(out[s], torch.zeros_like(out[s]))
@@ -222,3 +226,11 @@ def test_fp8_decode(num_splits, dtype, kv_dtype):
 def test_decode_splits(num_splits):
     # forced splits: one program per sequence, a few, and more splits than tiles (empty splits)
     check_decode([1, 600, 0, 37], 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("max_split_tokens", [32, 64, 4096])
+def test_decode_split_tokens(max_split_tokens):
+    # fixed-length splits: one tile each (a 600-token context takes 19 programs, a 33-token one 2), two tiles, and
+    # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits
+    check_decode([1, 600, 0, 32, 33, 257], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
+                 max_split_tokens=max_split_tokens)
