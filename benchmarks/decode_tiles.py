@@ -92,7 +92,7 @@ def main():
             ref = None
             for choice in choices:
                 config = None if choice[0] == "default" else tuple(int(x) for x in choice[:3])
-                rest = choice[1] if choice[0] == "default" else (choice[3] if len(choice) > 3 else None)
+                rest = choice[3 if config else 1] if len(choice) > (3 if config else 1) else None
                 extra = dict(config=config, max_context_len=MAX_MODEL_LEN, **scales)
                 if rest == "eq":
                     extra["num_splits"] = old_equal_splits(len(lens))

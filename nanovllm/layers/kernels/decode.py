@@ -27,8 +27,9 @@ from nanovllm.layers.kernels.paged_kv import kv_rows
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
+TYPICAL_CONTEXT = 512  # split lengths are sized for contexts this long, not the (much larger) graph bound
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it saves
-MAX_SPLIT_TOKENS = 512  # longer contexts take several programs even in a full batch (measured: docs/benchmarks.md)
+MAX_SPLIT_TOKENS = 4096
 MAX_SPLITS = 64
 
 
@@ -152,14 +153,17 @@ def _sm_count(device: torch.device) -> int:
 def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,
                   max_split_tokens: int | None = None) -> tuple[int, int]:
     """(num_splits, split_tiles): each (sequence, kv head) is served by programs of split_tiles BLOCK_N tiles, as
-    many as its context needs. The split length aims at enough programs to fill the GPU at the context bound,
-    between MIN_TOKENS_PER_SPLIT and max_split_tokens (a longer split merges cheaper, a shorter one balances
-    better). Depends only on shapes and the bound, so a captured CUDA graph stays valid."""
-    max_split_tokens = max_split_tokens or MAX_SPLIT_TOKENS
+    many as its context needs. The split length (a power of two in [MIN_TOKENS_PER_SPLIT, MAX_SPLIT_TOKENS]) gives
+    PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
+    programs), full batches long ones (few partials to merge). Measured on an H200 (benchmarks/decode_tiles.py,
+    docs/benchmarks.md): batch 16 x context 512 takes 19 us with one 512-token split per sequence, batch 256 loses
+    15% with 512-token splits against none. Depends only on shapes and the bound, so a captured CUDA graph stays
+    valid; max_split_tokens overrides the length (benchmarks)."""
+    if max_split_tokens is None:
+        want = batch * num_kv_heads * TYPICAL_CONTEXT // (PROGRAMS_PER_SM * _sm_count(device))
+        max_split_tokens = min(max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT), MAX_SPLIT_TOKENS)
     tiles = triton.cdiv(max(max_context_len, 1), block_n)
-    tokens = triton.cdiv(batch * num_kv_heads * max_context_len, PROGRAMS_PER_SM * _sm_count(device))
-    split_tiles = triton.cdiv(min(max(tokens, MIN_TOKENS_PER_SPLIT), max_split_tokens), block_n)
-    split_tiles = max(split_tiles, triton.cdiv(tiles, MAX_SPLITS))
+    split_tiles = max(triton.cdiv(max_split_tokens, block_n), triton.cdiv(tiles, MAX_SPLITS))
     return triton.cdiv(tiles, split_tiles), split_tiles
 
 
@@ -167,8 +171,8 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int,
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
-    if quant:  # measured on an H200 at batch 256 x context 1024 (benchmarks/decode_tiles.py)
-        return 64, 2, 3
+    if quant:  # the fastest on an H200 from batch 16 to 256 (benchmarks/decode_tiles.py; docs/benchmarks.md)
+        return 128, 2, 2
     return 64, 4, 3
 
 
