@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|tiles|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
 #                                 tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
@@ -35,7 +35,12 @@ if has plain; then
 fi
 if has fp8; then
   step bench_fp8 240 python3 bench.py --kv-cache-dtype fp8 --profile --no-tqdm
+fi
+if has kernels_fp8; then
   TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
+fi
+if has latency; then  # ms/token at batch 1/16/64, time to first token, 512 x 2048-token prefill
+  TAIL=8 step latency 300 python3 benchmarks/latency.py
 fi
 if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
   TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick

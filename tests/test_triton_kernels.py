@@ -17,7 +17,7 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu"])
 def test_kernels_interpreted(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
@@ -86,6 +86,17 @@ def test_kernels_compile_for_hopper():
                             | {n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")} | {"slot_ptr": "*i32"},
                             dict(BLOCK_SIZE=256, BLOCK_H=8, HEAD_DIM=128, QUANT=kv is not None, FP8_MAX=fp8_max),
                             num_warps=4)
+
+
+def test_elementwise_kernels_compile_for_hopper():
+    pytest.importorskip("triton")
+    from nanovllm.layers.kernels import activation, rope
+    for norm in (True, False):
+        _compile_for_hopper(rope._qk_norm_rope_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr")}
+                            | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"},
+                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64), num_warps=4)
+    _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024),
+                        num_warps=4)
 
 
 # GPU: the compiled kernels on real shapes, against the torch reference computed in float32.
@@ -196,3 +207,12 @@ def test_gpu_decode_cuda_graph():
         graph.replay()
         ref = TorchAttention().decode(q.float(), k_cache.float(), v_cache.float(), context, scale)
         assert_close(out, ref, torch.bfloat16, f"graph replay context_lens={new_lens}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 300, 16384])
+def test_gpu_rope_and_silu(tokens, norm):
+    from tests.triton_kernel_checks import check_qk_norm_rope, check_silu_and_mul
+    check_qk_norm_rope(tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
+    check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")

@@ -1,8 +1,9 @@
-"""torch.compile for the small elementwise ops (RMSNorm, SiLU-and-mul, rotary embedding).
+"""Fused versions of the small elementwise ops: torch.compile for RMSNorm (with the residual add) and the
+sampler's race, Triton kernels for SiLU-and-mul and for q/k norm + rotary (layers/kernels/activation.py, rope.py).
 
-Eager, each is a chain of tiny kernels; compiled, each becomes one fused kernel. The CUDA model runner
-switches them on (unless enforce_eager); on one H200 that took a decode step's forward from 8.6 to 5.2 ms
-(docs/benchmarks.md). CPU runs stay plain torch. NANOVLLM_COMPILE=0 keeps them eager, for comparison."""
+Eager, each is a chain of tiny kernels; fused, one kernel. The CUDA model runner switches them on (unless
+enforce_eager); on one H200 compiling them took a decode step's forward from 8.6 to 5.2 ms (docs/benchmarks.md).
+CPU runs stay plain torch. NANOVLLM_COMPILE=0 keeps them eager, for comparison."""
 import functools
 import os
 

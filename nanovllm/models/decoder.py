@@ -52,15 +52,27 @@ class DecoderAttention(nn.Module):
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fused_rope = None  # on CUDA: q/k norm and rotary in one Triton kernel, in place
+
+    def use_compiled(self, enabled: bool = True):
+        half = self.head_dim // 2
+        self.fused_rope = None
+        if enabled and half & (half - 1) == 0:
+            from nanovllm.layers.kernels.rope import qk_norm_rope_
+            self.fused_rope = qk_norm_rope_
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.fused_rope is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
