@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
-from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
+from nanovllm.layers.attention.fp8 import cache_layout, quantize, raw  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.kernels import decode  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
@@ -39,7 +39,13 @@ def contexts_for(shape: str) -> list[int]:
     return [int(ctx)] * int(batch)
 
 
-def make_case(lens: list[int], kv_dtype):
+def token_major(v: torch.Tensor) -> torch.Tensor:
+    """The same V, stored [blocks, kv_heads, head_dim, block_size] (each head's tokens contiguous), viewed with the
+    usual [blocks, block_size, kv_heads, head_dim] indexing."""
+    return raw(v).permute(0, 2, 3, 1).contiguous().view(v.dtype).permute(0, 3, 1, 2)
+
+
+def make_case(lens: list[int], kv_dtype, v_layout: str):
     need = [triton.cdiv(n, BLOCK_SIZE) for n in lens]
     pool = COPIES * sum(need)
     kv = torch.randn(2, pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -56,8 +62,10 @@ def make_case(lens: list[int], kv_dtype):
         for s, n in enumerate(need):
             tables[c, s, :n] = torch.tensor(perm[at:at + n])
             at += n
+    if v_layout == "token":
+        kv = (kv[0], token_major(kv[1]))
     q = torch.randn(len(lens), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    row = HEAD_DIM * kv.element_size() + (4 if kv_dtype is not None else 0)
+    row = HEAD_DIM * kv[0].element_size() + (4 if kv_dtype is not None else 0)
     nbytes = sum(lens) * KV_HEADS * row * 2
     return q, kv, scales, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), nbytes
 
@@ -75,6 +83,8 @@ def main():
                                                    "1x4096"])
     p.add_argument("--configs", nargs="+", default=None, help="BLOCK_N,warps,stages[,max_split_tokens|eq] ...")
     p.add_argument("--once", action="store_true", help="one plain launch per choice (for ncu), no timing")
+    p.add_argument("--v-layout", choices=["d", "token"], default="d",
+                   help="token: V stored with each head's tokens contiguous (an experiment)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.configs:
@@ -88,8 +98,8 @@ def main():
         kv_dtype = KV_CACHE_DTYPES[name]
         for si, shape in enumerate(args.shapes):
             lens = contexts_for(shape)
-            q, kv, scales, tables, ctx_lens, nbytes = make_case(lens, kv_dtype)
-            ref = None
+            q, kv, scales, tables, ctx_lens, nbytes = make_case(lens, kv_dtype, args.v_layout)
+            ref = ref_scale = None
             for choice in choices:
                 config = None if choice[0] == "default" else tuple(int(x) for x in choice[:3])
                 rest = choice[3 if config else 1] if len(choice) > (3 if config else 1) else None
@@ -115,7 +125,8 @@ def main():
                             ref = TorchAttention().decode(q.float(), kv[0] if kv_dtype else kv[0].float(),
                                                           kv[1] if kv_dtype else kv[1].float(), context,
                                                           HEAD_DIM ** -0.5, **scales)
-                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                            ref_scale = ref.norm()
+                        err = ((out.float() - ref).norm() / ref_scale).item()
                         if not err < 2e-2:
                             raise RuntimeError(f"wrong result: relative error {err:.3g}")
                     run()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile_fp8|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
 #                                 tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
@@ -45,6 +45,13 @@ fi
 if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
   TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick
 fi
+if has tiles_fp8; then  # fp8 tiles incl. no pipelining, with V stored d-major (today) and token-major (an experiment)
+  C="default 64,2,1 64,2,2 128,2,1 128,2,2 64,4,1 128,4,1 128,4,2 64,1,1 32,1,1 32,2,1 128,1,1 256,4,1"
+  for layout in d token; do
+    TAIL=8 step "tiles_fp8_$layout" 200 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 \
+      --v-layout $layout --shapes 256x1024 256xbench 64xbench 16xbench --configs $C
+  done
+fi
 if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-like contexts
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for kv in auto fp8; do
@@ -56,8 +63,10 @@ if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-
   done
 fi
 if has profile; then  # kernel time per step (torch.profiler): decode at several batch sizes, a 16k-token prefill
-  TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:64:100-2048 \
-    decode:16:512 decode:1:512 prefill:8:2048
+  TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:16:512 \
+    decode:1:512 prefill:8:2048
+fi
+if has profile_fp8; then
   TAIL=24 step profile_fp8 200 python3 benchmarks/profile_step.py --kv-cache-dtype fp8 --cases decode:256:100-1024 \
     decode:64:100-2048
 fi

@@ -6,7 +6,7 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 import pytest
 import torch
 
-from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize
+from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, raw
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
@@ -149,7 +149,8 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
 
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                 num_splits: int | None = None, device="cpu", kv_dtype=None, max_split_tokens: int | None = None):
+                 num_splits: int | None = None, device="cpu", kv_dtype=None, max_split_tokens: int | None = None,
+                 v_token_major: bool = False):
     """num_splits None: the engine's split heuristic (splits of a fixed length, max_split_tokens if given);
     else each context cut into num_splits equal runs."""
     batch = len(context_lens)
@@ -161,6 +162,8 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
         extra = dict(k_scale=k_scale, v_scale=v_scale)
     else:
         k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    if v_token_major:  # the same values stored [blocks, kv_heads, head_dim, block_size]
+        v_cache = raw(v_cache).permute(0, 2, 3, 1).contiguous().view(v_cache.dtype).permute(0, 3, 1, 2)
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
     q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
@@ -283,3 +286,10 @@ def test_decode_split_tokens(max_split_tokens):
     # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits
     check_decode([1, 600, 0, 32, 33, 257], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
                  max_split_tokens=max_split_tokens)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_decode_v_token_major(kv_dtype):
+    # V read through its own strides: a cache whose heads keep their tokens contiguous gives the same attention
+    check_decode([1, 600, 0, 37], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, kv_dtype=kv_dtype,
+                 v_token_major=True)

@@ -39,7 +39,8 @@ MAX_SPLITS = 64
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, part_m_ptr, part_l_ptr,
                    part_acc_ptr, context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_cb, stride_ct, stride_ch, stride_sb, stride_sh, stride_table,
+                   stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
+                   stride_sb, stride_sh, stride_table,
                    qk_scale, split_tiles,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
@@ -68,14 +69,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
-    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
-        kv_off = (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :]
-        k = tl.load(k_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_head_ptr + (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None], other=0.0)
         if QUANT:
             scale_off = block * stride_sb + kv_head * stride_sh + row  # contiguous along the block's tokens
             k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
@@ -197,7 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or v_cache.stride(1) == 1)  # V: d or token-major
     assert num_heads % num_kv_heads == 0 and context_lens.is_contiguous()
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size
@@ -221,7 +223,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, block_tables.stride(0),
         scale * LOG2E, split_tiles,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
