@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
 TYPICAL_CONTEXT = 512  # split lengths are sized for contexts this long, not the (much larger) graph bound
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it saves
-MAX_SPLIT_TOKENS = 4096
+MAX_SPLIT_TOKENS = 1024  # a split length past this is not worth a merge: one split per sequence instead
 MAX_SPLITS = 64
 
 
@@ -157,13 +157,15 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     """(num_splits, split_tiles): each (sequence, kv head) is served by programs of split_tiles BLOCK_N tiles, as
     many as its context needs. The split length (a power of two in [MIN_TOKENS_PER_SPLIT, MAX_SPLIT_TOKENS]) gives
     PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
-    programs), full batches long ones (few partials to merge). Measured on an H200 (benchmarks/decode_tiles.py,
-    docs/benchmarks.md): batch 16 x context 512 takes 19 us with one 512-token split per sequence, batch 256 loses
-    15% with 512-token splits against none. Depends only on shapes and the bound, so a captured CUDA graph stays
+    programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge).
+    Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
+    layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits. Depends only on shapes and the bound, so a captured CUDA graph stays
     valid; max_split_tokens overrides the length (benchmarks)."""
     if max_split_tokens is None:
         want = batch * num_kv_heads * TYPICAL_CONTEXT // (PROGRAMS_PER_SM * _sm_count(device))
-        max_split_tokens = min(max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT), MAX_SPLIT_TOKENS)
+        max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
+        if max_split_tokens > MAX_SPLIT_TOKENS:
+            max_split_tokens = max_context_len
     tiles = triton.cdiv(max(max_context_len, 1), block_n)
     split_tiles = max(triton.cdiv(max_split_tokens, block_n), triton.cdiv(tiles, MAX_SPLITS))
     return triton.cdiv(tiles, split_tiles), split_tiles
