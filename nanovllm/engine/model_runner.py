@@ -44,9 +44,11 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
-        if self.is_cuda:
-            torch.cuda.set_device(self.device)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
+        if self.is_cuda:
+            with self._phase("CUDA init"):
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)  # creates the context
         with self._phase("load"):
             self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -79,7 +79,9 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution."""
-        logits = logits.float()
+        filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
+        if st.num_logprobs >= 0 or st.processors or filtered:
+            logits = logits.float()  # (argmax and the race read 16-bit logits as they are: no float32 copy)
         raw_logprobs = torch.log_softmax(logits, -1) if st.num_logprobs >= 0 else None
         for processor, state in st.processors:
             logits = processor.apply(logits, state)
@@ -87,7 +89,7 @@ class Sampler(nn.Module):
             tokens = logits.argmax(-1)
         else:
             temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
-            if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
+            if filtered:
                 tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
                 tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))

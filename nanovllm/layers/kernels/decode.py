@@ -159,8 +159,9 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
     programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge).
     Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
-    layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits. Depends only on shapes and the bound, so a captured CUDA graph stays
-    valid; max_split_tokens overrides the length (benchmarks)."""
+    layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits.
+    Depends only on shapes and the bound, so a captured CUDA graph stays valid; max_split_tokens overrides the
+    length (benchmarks)."""
     if max_split_tokens is None:
         want = batch * num_kv_heads * TYPICAL_CONTEXT // (PROGRAMS_PER_SM * _sm_count(device))
         max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
