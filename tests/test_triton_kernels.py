@@ -17,7 +17,7 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu or norm or race"])
 def test_kernels_interpreted(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
@@ -97,6 +97,13 @@ def test_elementwise_kernels_compile_for_hopper():
                             dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64), num_warps=4)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024),
                         num_warps=4)
+    from nanovllm.layers.kernels import norm, race
+    for add in (True, False):
+        _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
+                                                                          "res_out_ptr")} | {"eps": "fp32"},
+                            dict(ADD=add, BLOCK=1024), num_warps=4)
+    _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
+                                            "out_ptr": "*i64"}, dict(BLOCK=4096), num_warps=8)
 
 
 # GPU: the compiled kernels on real shapes, against the torch reference computed in float32.
@@ -213,6 +220,8 @@ def test_gpu_decode_cuda_graph():
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 300, 16384])
 def test_gpu_rope_and_silu(tokens, norm):
-    from tests.triton_kernel_checks import check_qk_norm_rope, check_silu_and_mul
+    from tests.triton_kernel_checks import check_qk_norm_rope, check_race, check_rms_norm, check_silu_and_mul
     check_qk_norm_rope(tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
     check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
+    check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
+    check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")

@@ -212,7 +212,42 @@ def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
     assert_close(silu_and_mul(x), reference_silu(x.float()).to(dtype), dtype, f"silu_and_mul {tokens}x{inter}")
 
 
+def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
+    """The Triton norms against layers/layernorm.py, with and without the residual add."""
+    from nanovllm.layers import layernorm
+    from nanovllm.layers.kernels import norm
+    x, residual = (torch.randn(rows, width, dtype=dtype, device=device) * 2 for _ in range(2))
+    weight = torch.rand(width, dtype=dtype, device=device) + 0.5
+    assert_close(norm.rms_norm(x, weight, 1e-6), layernorm.rms_norm(x, weight, 1e-6), dtype, "rms_norm")
+    out, res = norm.add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_res = layernorm.add_rms_norm(x, residual, weight, 1e-6)
+    assert_close(res, ref_res, dtype, "add_rms_norm residual")
+    assert_close(out, ref_out, dtype, "add_rms_norm")
+
+
+def check_race(batch: int, vocab: int, dtype, device="cpu"):
+    """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too)."""
+    from nanovllm.layers.kernels.race import race
+    from nanovllm.layers.sampler import race_in_log_space
+    logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
+    logits[0, : vocab // 2] = float("-inf")  # a masked half
+    logits[-1] = 1.0  # every logit equal: the noise decides
+    temps = torch.rand(batch, 1, device=device) + 0.3
+    noise = torch.empty(batch, vocab, device=device).exponential_(1)
+    assert torch.equal(race(logits, temps, noise), race_in_log_space(logits, temps, noise))
+
+
 DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_kernel(dtype):
+    check_rms_norm(5, 1000, dtype)  # a width that is no power of two
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_race_kernel(dtype):
+    check_race(4, 9000, dtype)  # more than two vocabulary chunks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import compiled
 from nanovllm.layers.logits_processors import LogitsProcessor, MinTokensProcessor, PenaltiesProcessor
 from nanovllm.sampling_params import sample_seed
 from nanovllm.utils.context import ToDevice
@@ -45,7 +44,12 @@ class Sampler(nn.Module):
         self.processors: list[LogitsProcessor] = [self.penalties, self.min_tokens]  # applied in this order
 
     def use_compiled(self, enabled: bool = True):
-        self.race_fn = compiled(race_in_log_space) if enabled else race_in_log_space
+        """On CUDA: the race in one Triton pass (layers/kernels/race.py)."""
+        if enabled:
+            from nanovllm.layers.kernels.race import race
+            self.race_fn = race
+        else:
+            self.race_fn = race_in_log_space
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice) -> SamplingTensors:
         """Per-row tensors; the optional ones only when some row needs them. sampled[i] is False for a chunk of a
@@ -116,7 +120,7 @@ def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
 
 
 def race_in_log_space(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax(logits / T - log E): the exponential race on softmax(logits / T), one fused pass when compiled."""
+    """argmax(logits / T - log E): the exponential race on softmax(logits / T)."""
     return (logits.float() / temperatures - noise.clamp(min=1e-10).log()).argmax(-1)
 
 
