@@ -280,6 +280,13 @@ def test_kernel_interpreted():
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
 
 
+def test_kernel_benchmark_runs_on_cpu():
+    cmd = [sys.executable, "benchmarks/moe_kernel.py", "--cpu", "--decode", "1"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "GB/s" in proc.stdout and "TFLOP/s" in proc.stdout
+
+
 def test_kernels_compile_for_hopper():
     """Every tile configuration moe_tiles picks compiles for sm_90 and fits its shared memory."""
     pytest.importorskip("triton")
