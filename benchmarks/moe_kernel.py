@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +43,7 @@ if ARGS.cpu:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from nanovllm.layers.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, moe_tiles  # noqa: E402
 from nanovllm.layers.moe import fused_experts_torch, route  # noqa: E402
 
@@ -62,24 +62,7 @@ PREFILL_SWEEP = [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64,
 
 
 def time_ms(fn, graph: bool) -> float:
-    """Median milliseconds per call of fn: CUDA events after warm-up, optionally as CUDA-graph replays (launch
-    overhead left out, as the engine's decode runs). On CPU: wall clock, a few calls."""
-    fn()
-    if ARGS.cpu:
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    return timing.time_ms(fn, graph, ARGS.cpu)
 
 
 def make_inputs(num_tokens: int, seed: int):

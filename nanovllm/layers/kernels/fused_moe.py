@@ -136,13 +136,22 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _tile(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of this program: GROUP_M row tiles walk the column tiles together."""
+def _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """This program's tile: GROUP_M row tiles walk the column tiles together. Returns (real rows, 0 for a tile past
+    the end; expert; row mask; slots [BLOCK_M]; output columns [BLOCK_N]; the columns to read, past N wrapped to
+    valid ones that are never stored)."""
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
     first = pid // per_group * GROUP_M
     size = tl.minimum(num_blocks - first, GROUP_M)
-    return first + pid % per_group % size, pid % per_group // size
+    pid_m, pid_n = first + pid % per_group % size, pid % per_group // size
+    rows = tl.load(block_rows_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    slots = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, expert, offs_m < rows, slots, offs_n, (offs_n % N).to(tl.int64)
 
 
 @triton.jit
@@ -151,17 +160,11 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block_r
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """x [T, K]; w [E, 2N, K] (gate rows, then up rows); act [slots, N]."""
-    pid_m, pid_n = _tile(num_blocks, N, BLOCK_N, GROUP_M)
-    rows = tl.load(block_rows_ptr + pid_m)
+    rows, expert, mask_m, slots, offs_n, cols = _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M,
+                                                      BLOCK_N, GROUP_M)
     if rows == 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < rows
-    slots = pid_m.to(tl.int64) * BLOCK_M + offs_m
     tokens = (tl.load(sorted_ptr + slots, mask=mask_m, other=0) // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = (offs_n % N).to(tl.int64)  # columns past N read valid ones again and are never stored
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
@@ -194,17 +197,11 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """act [slots, K]; w [E, N, K]; out [pairs, N] = routing weight * act @ w_e^T."""
-    pid_m, pid_n = _tile(num_blocks, N, BLOCK_N, GROUP_M)
-    rows = tl.load(block_rows_ptr + pid_m)
+    rows, expert, mask_m, slots, offs_n, cols = _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M,
+                                                      BLOCK_N, GROUP_M)
     if rows == 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < rows
-    slots = pid_m.to(tl.int64) * BLOCK_M + offs_m
     pairs = tl.load(sorted_ptr + slots, mask=mask_m, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + slots[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
