@@ -31,8 +31,8 @@ def fused_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
                         topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t, in plain torch.
 
-    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, K]. One pair of matmuls per expert that has tokens,
-    summed in float32 in expert order (as transformers does); returns [T, H] in x's dtype."""
+    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, K]. One pair of matmuls per expert that has tokens (the
+    loop transformers runs), summed in float32 in expert order; returns [T, H] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, x.size(1), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.flatten()
@@ -54,6 +54,7 @@ def fused_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum [T, H], on whatever device x is (see fused_experts_torch for the shapes)."""
     if x.is_cuda:  # the Triton kernel: no host syncs, fixed shapes (CUDA graphs)
         from nanovllm.layers.kernels.fused_moe import fused_moe
         return fused_moe(x, gate_up, down, topk_weights, topk_ids)
