@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
 #   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|moe|tp_check|tp_tests|tp_bench]...
+# (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
@@ -41,9 +42,14 @@ fi
 if has rl; then
   TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
 fi
-if has moe; then  # MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
-  step moe_tests 210 python3 -m pytest -q -m gpu tests/test_moe.py
-  TAIL=14 step moe_kernel 120 python3 benchmarks/moe_kernel.py
+# MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
+if has moe || has moe_tests; then
+  step moe_tests 200 python3 -m pytest -q -m gpu tests/test_moe.py
+fi
+if has moe || has moe_kernel; then
+  TAIL=14 step moe_kernel 100 python3 benchmarks/moe_kernel.py
+fi
+if has moe || has moe_bench; then
   step bench_30b_a3b 240 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --dummy --profile --no-tqdm
 fi
 if has sampling; then

@@ -388,7 +388,7 @@ def test_gpu_engine_graphs_and_eager_match_transformers(checkpoints, name, no_tf
     path = checkpoints[name]
     prompts = _prompts(7, [3, 17, 70, 300, 40, 9, 120])
     for eager in (True, False):
-        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=16,
+        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=16, max_num_seqs=16,
                  num_kvcache_blocks=128, max_model_len=512, max_num_batched_tokens=256) as llm:
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
             assert (llm.executor.runner.graphs is None) == eager
