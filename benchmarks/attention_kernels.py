@@ -12,9 +12,7 @@ measured for a bf16 matmul.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,6 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
 from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
@@ -55,25 +54,7 @@ KV_DTYPE = KV_CACHE_DTYPES[ARGS.kv_cache_dtype]  # None: the 16-bit cache
 
 
 def time_ms(fn, graph: bool = False) -> float:
-    """Median milliseconds per call: CUDA events (triton.testing.do_bench) after warm-up; optionally as CUDA-graph
-    replays so launch overhead is left out. On CPU: wall clock, a few calls."""
-    fn()
-    if ARGS.cpu:
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    warmup, rep = (10, 50) if ARGS.quick else (25, 200)
-    return triton.testing.do_bench(run, warmup=warmup, rep=rep, return_mode="median")
+    return timing.time_ms(fn, graph, ARGS.cpu, *((10, 50) if ARGS.quick else (25, 200)))
 
 
 def decode_case(batch: int, context: int, splits: str) -> dict:

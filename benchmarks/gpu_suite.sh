@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile_fp8|ncu|profile|dp1|eager|sampling|rl|tp_check|tp_tests|
-#                                 tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#                                 profile_fp8|ncu|dp1|eager|sampling|rl|moe|tp_check|tp_tests|tp_bench]...
+# (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
@@ -22,7 +23,8 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if has tests; then
-  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py
+  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
+    --deselect tests/test_moe.py  # (the moe step runs those)
 fi
 if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
@@ -78,6 +80,16 @@ if has eager; then
 fi
 if has rl; then
   TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
+fi
+# MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
+if has moe || has moe_tests; then
+  step moe_tests 200 python3 -m pytest -q -m gpu tests/test_moe.py
+fi
+if has moe || has moe_kernel; then
+  TAIL=14 step moe_kernel 100 python3 benchmarks/moe_kernel.py
+fi
+if has moe || has moe_bench; then
+  step bench_30b_a3b 240 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --dummy --profile --no-tqdm
 fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py
