@@ -14,8 +14,9 @@ An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, hea
 head contiguous. With a 16-bit q the dots run in float16, whatever q's type: fp8 widens to float16 in one
 instruction (to bfloat16 it takes several, which made the kernel compute-bound; float16 also keeps more mantissa
 bits). K tiles are widened and the scores multiplied by the K scales; the V scales are folded into p, divided by
-the tile's largest V scale so that p stays in [0, 1] (float16's range), and that factor multiplies the tile's
-contribution. A float32 q (tests, float32 models) computes in float32.
+the largest V scale seen so far so that p stays in [0, 1] (float16's range); the accumulator is kept in units of
+that scale (rescaled when it grows, like the running max), so p @ V accumulates inside the MMA. A float32 q (tests,
+float32 models) computes in float32.
 """
 import functools
 
@@ -64,7 +65,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     if QUANT and q.dtype != tl.float32:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # (a bfloat16 q past float16's range)
 
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)  # fp8: in units of v_top, the largest V scale so far
+    v_top = tl.full([], 1e-30, dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
@@ -92,14 +94,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_max * sum_n (p_n v_scale_n / v_max) v8_n
-            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-            pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv * v_max
+        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_top * sum_n (p_n v_scale_n / v_top) v8_n, p v_scale / v_top <= 1
+            v_new = tl.maximum(v_top, tl.max(v_scale, 0))
+            acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
+                         input_precision=PRECISION)
+            v_top = v_new
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
+    if QUANT:
+        acc = acc * v_top
     if direct:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context 0 (graph padding): zeros
         tl.store(o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
