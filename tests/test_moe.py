@@ -397,8 +397,8 @@ def test_gpu_engine_graphs_and_eager_match_transformers(checkpoints, name, no_tf
 
 @pytest.mark.gpu
 def test_gpu_engine_bf16_graphs_equal_eager(checkpoints):
-    """bf16: graphs (batch padded to a bucket) against eager, token by token; at the first difference, if any,
-    both tokens are near-ties (within 0.1 nats, each in the other's top 2)."""
+    """bf16: graphs (batch padded to a bucket) against eager, token by token: the chosen tokens' logprobs within 0.1
+    nats; at the first difference, if any, both tokens are near-ties (within 0.1 nats, each in the other's top 2)."""
     path = checkpoints["qwen3_moe"]
     prompts = _prompts(8, [5, 40, 100, 7, 64, 250, 31])
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
@@ -414,7 +414,7 @@ def test_gpu_engine_bf16_graphs_equal_eager(checkpoints):
             if ta != tb:
                 assert ta in lb and tb in la and abs(la[ta] - la[tb]) < 0.1, f"step {i}: {ta} vs {tb}"
                 break
-            assert abs(la[ta] - lb[tb]) < 0.05
+            assert abs(la[ta] - lb[tb]) < 0.1  # bf16 through other kernels (eager: torch ops; graphs: Triton)
         else:
             identical += 1
     assert identical >= len(prompts) - 1

@@ -54,7 +54,7 @@ class TorchAttention(AttentionBackend):
             qs = q[q0:q1].transpose(0, 1).reshape(1, kv_heads, group * len_q, head_dim)
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                                attn_mask=mask.repeat(group, 1), scale=scale)
-            out[q0:q1] = o.view(heads, len_q, head_dim).transpose(0, 1)
+            out[q0:q1] = o.reshape(heads, len_q, head_dim).transpose(0, 1)  # (SDPA's output may be strided)
         return out
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
