@@ -287,9 +287,6 @@ class LLMEngine:
         pending, scheduler = self._pending, self.scheduler
         if pending is not None and scheduler.can_prefill():  # a prefill comes next: it needs the real tokens
             return self._settle(), _num_tokens(pending.batch)
-        if pending is not None and any(seq.grammar is not None for seq in pending.batch.rows):
-            # the next step's bitmask needs these tokens in the matchers: this step runs as in the plain loop
-            return self._settle(), _num_tokens(pending.batch)
         batch = scheduler.schedule()
         if not batch.seqs:
             if pending is not None:
@@ -297,10 +294,20 @@ class LLMEngine:
             raise _nothing_to_schedule()
         if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
             return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
-        self._pending = self.executor.launch(batch, pending)
+        # A grammar's bitmask for this step needs the previous step's tokens in its matchers: then that step is settled
+        # while the device computes this one's forward pass, before this one samples.
+        constrained = pending is not None and any(seq.grammar is not None for seq in batch.rows)
+        settled: list[Sequence] = []
+
+        def settle_previous():
+            settled.extend(self._apply(pending.batch, self.executor.settle(pending)))
+        self._pending = self.executor.launch(batch, pending, settle_previous if constrained else None)
         for seq in batch.seqs:
-            seq.append_token(PENDING_TOKEN)
-        return (self._settle(pending) if pending is not None else []), _num_tokens(batch)
+            if not seq.is_finished:  # (the previous step may have just ended it: nothing more to hold a place for)
+                seq.append_token(PENDING_TOKEN)
+        if pending is not None and not constrained:
+            settled = self._settle(pending)
+        return settled, _num_tokens(batch)
 
     def _settle(self, step=None) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them."""
