@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|structured|tp_check|tp_tests|tp_bench]...
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
@@ -16,7 +16,7 @@ step() {
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -v -i warn "$OUT/$name.log" | tail -"${TAIL:-12}"
-  summary+=("$name: rc=$rc$([[ $rc == 124 ]] && echo ' (TIMED OUT)') $(grep -E '^nanovllm:|passed|failed' "$OUT/$name.log" | tail -1)")
+  summary+=("$name: rc=$rc$([[ $rc == 124 ]] && echo ' (TIMED OUT)') $(grep -E '^nanovllm:|^constrained /|passed|failed' "$OUT/$name.log" | tail -1)")
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -39,6 +39,9 @@ if has eager; then
 fi
 if has rl; then
   TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
+fi
+if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks/structured.py --save-tokenizer DIR)
+  TAIL=4 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
 fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py
