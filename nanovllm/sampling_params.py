@@ -30,7 +30,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
     logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens
-    plus the sampled one, from the model's distribution before penalties, temperature and filtering.
+    plus the sampled one, from the model's distribution before penalties, temperature and filtering (after a
+    grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
     prompt_logprobs=k returns, for every prompt token after the first, its log-probability and the k most
     likely tokens' (k=0: the prompt token's only), from the raw distribution.
     n: completions per prompt; the prompt is prefilled once and its KV blocks are shared by the samples.

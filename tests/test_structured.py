@@ -201,6 +201,35 @@ def test_free_requests_are_unaffected_by_constrained_ones(llm):
     assert mixed[5]["text"] in ("no", "yes") and re.fullmatch(PARENS_RE, mixed[3]["text"])
 
 
+def test_processor_masks_only_the_constrained_rows(reference):
+    """GrammarProcessor alone: rows 1 and 3 of 4 constrained (to different grammars), rows 0 and 2 left as they were."""
+    import torch
+
+    from nanovllm.layers.logits_processors import GrammarProcessor
+
+    compiler, vocab = reference
+    grammars = {1: compiler.compile_regex(r"[0-9]+"), 3: compiler.compile_grammar(PARENS)}
+
+    class Row:  # what the processor reads of a sequence
+        def __init__(self, i):
+            self.grammar = xgr.GrammarMatcher(grammars[i]) if i in grammars else None
+            self.is_finished = False
+
+    rows = [Row(i) for i in range(4)]
+    processor = GrammarProcessor(vocab)
+    state = processor.prepare(rows, [True] * 4, lambda data, dtype: torch.tensor(data, dtype=dtype))
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    masked = processor.apply(logits.clone(), state)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    for i, compiled in grammars.items():
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+        assert 0 < allowed.sum() < vocab
+        assert torch.equal(masked[i][allowed], logits[i][allowed]) and torch.isinf(masked[i][~allowed]).all()
+    assert processor.prepare(rows[::2], [True] * 2, None) is None  # no constrained row: no state, no work
+
+
 def test_compiled_once_per_distinct_spec(qwen3_tied):
     engine = LLM(qwen3_tied, kvcache_block_size=16)
     specs = [StructuredOutputsParams(json=dict(SCHEMA)), StructuredOutputsParams(json=json.dumps(SCHEMA)),
@@ -243,13 +272,14 @@ def test_max_tokens_truncates_with_length_and_ignore_eos_still_ends_at_the_gramm
     assert "<|endoftext|>" not in out["text"]
 
 
-def test_preemption_recomputes_without_losing_the_grammar(qwen3_tied, llm, reference):
+def test_preemption_and_chunked_prefill_keep_the_grammar(qwen3_tied, llm, reference):
     regex = r"[a-z]{24,30}"
     compiled = reference[0].compile_regex(regex)
     prompts = _prompts(6, [30, 35, 40, 20, 45, 33])
     params = [_sp(StructuredOutputsParams(regex=regex), max_tokens=40), _sp(max_tokens=30, ignore_eos=True)] * 3
     expected = llm.generate(prompts, params, use_tqdm=False)
-    tight = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192)
+    tight = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+                max_num_batched_tokens=32)  # prompts chunked too: a chunk's row samples nothing, so is not masked
     preempted = []
     original = tight.scheduler.preempt
     tight.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))

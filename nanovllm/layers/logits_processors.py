@@ -143,7 +143,8 @@ class GrammarProcessor(LogitsProcessor):
         self.batch_matcher = None  # xgrammar's threaded bitmask filler, made with the first constrained row
 
     def prepare(self, seqs, sampled, to_device):
-        rows = [i for i, (seq, keep) in enumerate(zip(seqs, sampled)) if keep and getattr(seq, "grammar", None)]
+        rows = [i for i, (seq, keep) in enumerate(zip(seqs, sampled))
+                if keep and getattr(seq, "grammar", None) is not None]
         return GrammarState(rows, [seqs[i] for i in rows], to_device) if rows else None
 
     def apply(self, logits, state):
