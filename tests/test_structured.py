@@ -362,6 +362,37 @@ def test_tensor_parallel_masks_on_rank_0(qwen3_tied, llm):
     assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected]
 
 
+@pytest.mark.gpu
+def test_cuda_masks_on_the_device_and_async_equals_plain(qwen3_tied, reference):
+    """The Triton bitmask kernel, pinned copies and the async loop's early settle, against the plain loop (float32,
+    no TF32: the loops batch a little differently, and the tokens must not depend on it)."""
+    import torch
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        _cuda_async_equals_plain(qwen3_tied, reference)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _cuda_async_equals_plain(qwen3_tied, reference):
+    compiler = reference[0]
+    prompts = _prompts(10, [5, 40, 100, 7, 64, 250, 31, 12])
+    specs = [(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+              compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)),
+             (StructuredOutputsParams(grammar=PARENS), compiler.compile_grammar(PARENS)), (None, None)]
+    params = [_sp(specs[i % 3][0], temperature=0.8 * (i % 2), seed=i, max_tokens=48, ignore_eos=specs[i % 3][0] is None)
+              for i in range(len(prompts))]
+    results = []
+    for overlap in (False, True):
+        with LLM(qwen3_tied, device="cuda", dtype="float32", max_num_seqs=100, max_model_len=512,
+                 num_kvcache_blocks=16, async_scheduling=overlap) as engine:
+            results.append(engine.generate(prompts, params, use_tqdm=False))
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a["token_ids"] == b["token_ids"]
+        if specs[i % 3][1] is not None:
+            _assert_allowed(reference, specs[i % 3][1], a["token_ids"], a["finish_reason"])
+
+
 # ---- the bundled model --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
