@@ -96,14 +96,24 @@ def test_sampling_params_take_a_dict_and_refuse_min_tokens():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
 
 
-def test_ray_rows_with_structured_outputs():
-    """A Ray Data row's sampling_params comes through Arrow: a struct with None for absent fields, arrays as numpy."""
+def test_ray_rows_with_structured_outputs(qwen3_tied):
+    """A Ray Data batch as an actor gets it (no Ray needed): a row's sampling_params is a struct with None for absent
+    fields and numpy arrays for lists; its structured_outputs a struct inside it."""
     np = pytest.importorskip("numpy")
-    from nanovllm.ray import _sampling_params
-    row = {"max_tokens": 16.0, "temperature": float("nan"),
-           "structured_outputs": {"choice": np.array(["x", "y"]), "json": None, "json_object": None}}
-    sp = _sampling_params({"temperature": 0.5}, row)
-    assert (sp.max_tokens, sp.temperature, sp.structured_outputs.choice) == (16, 0.5, ["x", "y"])
+    from nanovllm.ray import NanoVLLMActor
+    actor = NanoVLLMActor(qwen3_tied, {"kvcache_block_size": 16}, {"temperature": 0, "max_tokens": 16})
+    rows = [{"max_tokens": 12.0, "temperature": float("nan"),
+             "structured_outputs": {"choice": np.array(["x1", "y2"]), "json": None, "json_object": None}},
+            {"max_tokens": None, "temperature": 1.0,
+             "structured_outputs": {"choice": None, "json": json.dumps(SCHEMA), "json_object": None}},
+            None]
+    batch = {"prompt": np.array(["Hello world", "Once upon a time", "Numbers: 1 2 3"], dtype=object),
+             "sampling_params": np.array(rows, dtype=object)}
+    out = actor(batch)
+    assert out["generated_text"][0] in ("x1", "y2") and out["finish_reason"][0] == "stop"
+    if out["finish_reason"][1] == "stop":
+        assert set(json.loads(out["generated_text"][1])) == set(SCHEMA["properties"])
+    assert all(len(ids) <= 16 for ids in out["generated_token_ids"])  # the defaults' max_tokens where a row has none
 
 
 def test_pydantic_schema_pickles_and_keys():
