@@ -47,7 +47,7 @@ class StructuredOutputsParams:
             raise TypeError(f"json_object must be True, False or None, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise TypeError(f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}")
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}; got "
                              f"{' and '.join(given) if given else 'none'}")
@@ -66,9 +66,12 @@ class StructuredOutputsParams:
                 raise ValueError("choice must list at least one string")
             self.choice = list(self.choice)
 
+    def _given(self) -> list[str]:
+        return [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
     @property
     def key(self) -> tuple:
@@ -93,11 +96,10 @@ def _schema(value) -> dict:
             raise ValueError(f"json must be a JSON schema object, got the JSON value {value!r:.80}")
         return value
     if isinstance(value, dict):
-        try:
-            json.dumps(value)
+        try:  # a copy: the caller's dict may change later, the request's schema does not
+            return json.loads(json.dumps(value))
         except (TypeError, ValueError) as e:
             raise TypeError(f"json: the schema dict must hold JSON values only: {e}") from None
-        return value
     raise TypeError(f"json must be a JSON schema (dict or str) or a pydantic model class, got {type(value).__name__}")
 
 

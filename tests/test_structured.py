@@ -71,6 +71,7 @@ def _assert_allowed(reference, compiled, token_ids: list[int], finish_reason: st
     ({"choice": "yes"}, TypeError, "list of str"),
     ({"choice": ["a", 1]}, TypeError, "list of str"),
     ({"regex": 5}, TypeError, "regex must be a str"),
+    ({"regex": 0}, TypeError, "regex must be a str"),
     ({"regex": ""}, ValueError, "regex must not be empty"),
     ({"grammar": b"root ::= \"a\""}, TypeError, "grammar must be a str"),
     ({"json": 3}, TypeError, "JSON schema"),
