@@ -46,7 +46,10 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
-    print(f"engine start: {time.perf_counter() - t:.1f}s, {llm.num_kvcache_blocks} KV blocks")
+    runner = getattr(getattr(llm, "executor", None), "runner", None)  # (not with --dp)
+    phases = {**getattr(llm, "startup", {}), **(runner.startup if runner is not None else {})}
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
+    print(f"engine start: {time.perf_counter() - t:.1f}s ({phases}), {llm.num_kvcache_blocks} KV blocks")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     probe = StepProfiler(llm) if args.profile else None

@@ -12,9 +12,7 @@ measured for a bf16 matmul.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,11 +39,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
 from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
-from nanovllm.layers.kernels.decode import decode_attention, num_decode_splits  # noqa: E402
+from nanovllm.layers.kernels.decode import _decode_config, decode_attention, decode_splits  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
@@ -55,25 +54,7 @@ KV_DTYPE = KV_CACHE_DTYPES[ARGS.kv_cache_dtype]  # None: the 16-bit cache
 
 
 def time_ms(fn, graph: bool = False) -> float:
-    """Median milliseconds per call: CUDA events (triton.testing.do_bench) after warm-up; optionally as CUDA-graph
-    replays so launch overhead is left out. On CPU: wall clock, a few calls."""
-    fn()
-    if ARGS.cpu:
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    warmup, rep = (10, 50) if ARGS.quick else (25, 200)
-    return triton.testing.do_bench(run, warmup=warmup, rep=rep, return_mode="median")
+    return timing.time_ms(fn, graph, ARGS.cpu, *((10, 50) if ARGS.quick else (25, 200)))
 
 
 def decode_case(batch: int, context: int, splits: str) -> dict:
@@ -97,11 +78,13 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
     lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     contexts = [Context(False, context_lens=lens, block_tables=perm[c].contiguous()) for c in range(copies)]
     scale = head_dim ** -0.5
-    num_splits = 1 if splits == "1" else num_decode_splits(batch, kv_heads, blocks_per_seq * block_size, q.device)
+    block_n = _decode_config(head_dim, q.dtype, KV_DTYPE is not None)[0]
+    num_splits = 1 if splits == "1" else decode_splits(batch, kv_heads, blocks_per_seq * block_size, block_n,
+                                                       q.device)[0]
 
     def triton_decode(ctx: Context) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                                num_splits=num_splits, **scales)
+                                num_splits=1 if splits == "1" else None, **scales)
 
     ref = TorchAttention().decode(q, k_cache, v_cache, contexts[0], scale, **scales)
     torch.testing.assert_close(triton_decode(contexts[0]).float(), ref.float(), **TOL)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|fp8|eager|sampling|rl|structured|tp_check|tp_tests|tp_bench]...
+#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
+#                                 tp_bench]...
+# (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nanovllm-gpu}
 mkdir -p "$OUT"
-steps=${*:-tests kernels bench sampling}
+steps=${*:-tests kernels bench plain sampling}
 has() { [[ " $steps " == *" $1 "* ]]; }
 summary=()
 # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, print the log's last lines
@@ -21,18 +24,57 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if has tests; then
-  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py
+  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
+    --deselect tests/test_moe.py  # (the moe step runs those)
 fi
 if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
 fi
 if has bench; then
   step bench 240 python3 bench.py --profile --no-tqdm  # async scheduling, the default on one GPU
+fi
+if has plain; then
   step bench_plain 240 python3 bench.py --no-async-scheduling --profile --no-tqdm
 fi
 if has fp8; then
   step bench_fp8 240 python3 bench.py --kv-cache-dtype fp8 --profile --no-tqdm
+fi
+if has kernels_fp8; then
   TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
+fi
+if has latency; then  # ms/token at batch 1/16/64, time to first token, 512 x 2048-token prefill
+  TAIL=8 step latency 300 python3 benchmarks/latency.py
+fi
+if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
+  TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick
+fi
+if has tiles_fp8; then  # fp8 tiles incl. no pipelining, with V stored d-major (today) and token-major (an experiment)
+  C="default 64,2,1 64,2,2 128,2,1 128,2,2 64,4,1 128,4,1 128,4,2 64,1,1 32,1,1 32,2,1 128,1,1 256,4,1"
+  for layout in d token; do
+    TAIL=8 step "tiles_fp8_$layout" 200 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 \
+      --v-layout $layout --shapes 256x1024 256xbench 64xbench 16xbench --configs $C
+  done
+fi
+if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-like contexts
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for kv in auto fp8; do
+    TAIL=3 step "ncu_$kv" 200 "$NCU" --clock-control none --kernel-name regex:_decode_kernel --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section InstructionStats python3 benchmarks/decode_tiles.py --once --kv-cache-dtype $kv --shapes 256xbench \
+      --configs default
+  done
+fi
+if has profile; then  # kernel time per step (torch.profiler): decode at several batch sizes, a 16k-token prefill
+  TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:16:512 \
+    decode:1:512 prefill:8:2048
+fi
+if has profile_fp8; then
+  TAIL=24 step profile_fp8 200 python3 benchmarks/profile_step.py --kv-cache-dtype fp8 --cases decode:256:100-1024 \
+    decode:64:100-2048
+fi
+if has dp1; then  # the data-parallel front with one replica is the plain engine: the same throughput
+  step bench_dp1 240 python3 bench.py --dp 1 --no-tqdm
 fi
 if has eager; then
   step bench_eager 240 python3 bench.py --enforce-eager --no-tqdm
@@ -42,6 +84,16 @@ if has rl; then
 fi
 if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks/structured.py --save-tokenizer DIR)
   TAIL=4 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
+fi
+# MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
+if has moe || has moe_tests; then
+  step moe_tests 200 python3 -m pytest -q -m gpu tests/test_moe.py
+fi
+if has moe || has moe_kernel; then
+  TAIL=14 step moe_kernel 100 python3 benchmarks/moe_kernel.py
+fi
+if has moe || has moe_bench; then
+  step bench_30b_a3b 240 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --dummy --profile --no-tqdm
 fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py

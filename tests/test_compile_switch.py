@@ -1,4 +1,5 @@
-"""The compiled small ops are switched on only where asked (the decode graph capture) and switch back."""
+"""The fused small ops (Triton kernels, torch.compile for the rest) are switched on only where asked (the CUDA
+runner) and switch back."""
 import pytest
 from torch import nn
 
@@ -16,8 +17,10 @@ def test_switch_on_and_back():
     norm, act, rope = model = _model()
     assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
     use_compiled_ops(model, True)
-    assert norm.norm_fn is compiled(rms_norm) and act.fn is compiled(silu_and_mul) and rope.fn is compiled(apply_rotary)
-    assert norm.add_norm_fn is compiled(add_rms_norm)
+    from nanovllm.layers.kernels import activation
+    from nanovllm.layers.kernels import norm as triton_norm
+    assert norm.norm_fn is triton_norm.rms_norm and norm.add_norm_fn is triton_norm.add_rms_norm
+    assert act.fn is activation.silu_and_mul and rope.fn is compiled(apply_rotary)
     use_compiled_ops(model, False)
     assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 
@@ -27,7 +30,8 @@ def test_sampler_race_switches():
     sampler = Sampler()
     assert sampler.race_fn is race_in_log_space
     use_compiled_ops(sampler, True)
-    assert sampler.race_fn is compiled(race_in_log_space)
+    from nanovllm.layers.kernels.race import race
+    assert sampler.race_fn is race
     use_compiled_ops(sampler, False)
     assert sampler.race_fn is race_in_log_space
 
@@ -37,3 +41,21 @@ def test_environment_switch_keeps_eager(monkeypatch: pytest.MonkeyPatch):
     norm, act, rope = model = _model()
     use_compiled_ops(model, True)
     assert (norm.norm_fn, act.fn, rope.fn) == (rms_norm, silu_and_mul, apply_rotary)
+
+
+def test_decoder_attention_fuses_norm_and_rope_when_compiled():
+    """On CUDA the decoder's q/k norm + rotary become one Triton kernel; eager keeps the torch modules (the
+    reference, and the CPU path). A head size whose half is no power of two keeps the torch path."""
+    from transformers import Qwen3Config
+
+    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    from nanovllm.models.decoder import DecoderAttention, DecoderFlags
+    rope = RotaryEmbedding(16, 32, 10000.0)
+    for head_dim, fused in ((16, qk_norm_rope_), (24, None)):
+        config = Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+        attn = DecoderAttention(config, DecoderFlags(qk_norm=True), rope)
+        assert attn.fused_rope is None
+        use_compiled_ops(attn, True)
+        assert attn.fused_rope is fused
+        use_compiled_ops(attn, False)
+        assert attn.fused_rope is None

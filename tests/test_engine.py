@@ -199,6 +199,13 @@ def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_t
     warmup.warmup_prefill_variants(runner)
     runner.backend.prefill = prefill
     assert seen == {(n, paged) for n in warmup.PREFILL_QUERY_LENS for paged in (False, True)}
+    # ... and those query lengths reach every tile the Triton prefill kernel can pick
+    import torch
+
+    from nanovllm.layers.kernels.prefill import _prefill_config
+    for dtype, head_dim in ((torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float32, 128)):
+        tiles = {_prefill_config(head_dim, dtype, n) for n in range(1, 4097)}
+        assert tiles == {_prefill_config(head_dim, dtype, n) for n in warmup.PREFILL_QUERY_LENS}
     prompts = _prompts(13, [20, 40])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 

@@ -17,7 +17,7 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu or norm or race"])
 def test_kernels_interpreted(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
@@ -63,9 +63,9 @@ def test_kernels_compile_for_hopper():
             dict(GROUP=2, PAGED=paged, BLOCK_SIZE=16 if head_dim == 64 else 256, BLOCK_M=block_m, BLOCK_N=block_n,
                  HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
             num_warps=warps, num_stages=stages)
-    for dtype, head_dim, group, splits, kv in [(torch.bfloat16, 128, 2, 1, None), (torch.bfloat16, 128, 8, 4, None),
-                                               (torch.float32, 64, 1, 4, None), (torch.bfloat16, 128, 2, 1, "*fp8e4nv"),
-                                               (torch.bfloat16, 128, 2, 4, "*fp8e5")]:
+    for dtype, head_dim, group, kv in [(torch.bfloat16, 128, 2, None), (torch.bfloat16, 128, 8, None),
+                                       (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
+                                       (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
         block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None)
         _compile_for_hopper(
@@ -73,12 +73,12 @@ def test_kernels_compile_for_hopper():
             | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
             | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
             | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
-            dict(GROUP=group, BLOCK_G=max(16, group), NUM_SPLITS=splits, BLOCK_SIZE=256, BLOCK_N=block_n,
+            dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n,
                  HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
             num_warps=warps, num_stages=stages)
     _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                                       "part_acc_ptr": "*fp32"},
-                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128), num_warps=4)
+                                                       "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
+                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",
@@ -86,6 +86,24 @@ def test_kernels_compile_for_hopper():
                             | {n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")} | {"slot_ptr": "*i32"},
                             dict(BLOCK_SIZE=256, BLOCK_H=8, HEAD_DIM=128, QUANT=kv is not None, FP8_MAX=fp8_max),
                             num_warps=4)
+
+
+def test_elementwise_kernels_compile_for_hopper():
+    pytest.importorskip("triton")
+    from nanovllm.layers.kernels import activation, rope
+    for norm in (True, False):
+        _compile_for_hopper(rope._qk_norm_rope_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr")}
+                            | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"},
+                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64), num_warps=4)
+    _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024),
+                        num_warps=4)
+    from nanovllm.layers.kernels import norm, race
+    for add in (True, False):
+        _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
+                                                                          "res_out_ptr")} | {"eps": "fp32"},
+                            dict(ADD=add, BLOCK=1024), num_warps=4)
+    _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
+                                            "out_ptr": "*i64"}, dict(BLOCK=4096), num_warps=8)
 
 
 # GPU: the compiled kernels on real shapes, against the torch reference computed in float32.
@@ -196,3 +214,14 @@ def test_gpu_decode_cuda_graph():
         graph.replay()
         ref = TorchAttention().decode(q.float(), k_cache.float(), v_cache.float(), context, scale)
         assert_close(out, ref, torch.bfloat16, f"graph replay context_lens={new_lens}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 300, 16384])
+def test_gpu_rope_and_silu(tokens, norm):
+    from tests.triton_kernel_checks import check_qk_norm_rope, check_race, check_rms_norm, check_silu_and_mul
+    check_qk_norm_rope(tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
+    check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
+    check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
+    check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")

@@ -36,14 +36,18 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
                     head_dim: int | None = None, hidden: int = 64, layers: int = 2, seed: int = 0,
                     chat_template: str | None = None, **extra) -> str:
     """Save a tiny random model plus tokenizer into `path`; returns the path as str.
-    arch: qwen3, qwen2, llama or mistral; extra: more config fields (rope_scaling, sliding_window, ...)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    arch: qwen3, qwen2, llama, mistral, qwen3_moe or mixtral; extra: more config fields (rope_scaling,
+    sliding_window, num_experts, ...)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
     tok = _tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
                   tie_word_embeddings=tie, initializer_range=0.25, eos_token_id=tok.eos_token_id,
                   bos_token_id=None, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-6)
-    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
+    cls = getattr(transformers, {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig",
+                                 "mistral": "MistralConfig", "qwen3_moe": "Qwen3MoeConfig",
+                                 "mixtral": "MixtralConfig"}[arch])
     if arch != "qwen2":
         common["head_dim"] = head_dim or hidden // num_heads
     common.update(extra)

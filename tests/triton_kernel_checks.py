@@ -6,11 +6,19 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 import pytest
 import torch
 
-from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize
+from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, raw
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
 from nanovllm.utils.context import Context
+
+
+@pytest.fixture(autouse=True)
+def _fixed_data():
+    """Each check draws the same random data whichever tests run before it (the interpreter's rare fp8 conversion
+    errors made an fp8 check fail on one draw in a few)."""
+    torch.manual_seed(0)
+
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2),
               torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -141,7 +149,10 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
 
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                 num_splits: int | None = None, device="cpu", kv_dtype=None):
+                 num_splits: int | None = None, device="cpu", kv_dtype=None, max_split_tokens: int | None = None,
+                 v_token_major: bool = False):
+    """num_splits None: the engine's split heuristic (splits of a fixed length, max_split_tokens if given);
+    else each context cut into num_splits equal runs."""
     batch = len(context_lens)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
     extra = {}
@@ -151,24 +162,104 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
         extra = dict(k_scale=k_scale, v_scale=v_scale)
     else:
         k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    if v_token_major:  # the same values stored [blocks, kv_heads, head_dim, block_size]
+        v_cache = raw(v_cache).permute(0, 2, 3, 1).contiguous().view(v_cache.dtype).permute(0, 3, 1, 2)
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
     q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     context = Context(False, context_lens=lens, block_tables=tables)
     scale = head_dim ** -0.5
-    if num_splits is None:
+    if max_split_tokens is not None:
+        out = decode_attention(q, k_cache, v_cache, lens, tables, scale, max_split_tokens=max_split_tokens, **extra)
+    elif num_splits is None:
         out = TritonAttention().decode(q, k_cache, v_cache, context, scale, **extra)
     else:
         out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits, **extra)
     ref = reference(lambda *a: TorchAttention().decode(*a, **extra), q, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype}",
-                 bool(extra))
+    assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype} "
+                 f"max_split_tokens={max_split_tokens}", bool(extra))
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros, like the reference
             assert torch.equal(out[s], torch.zeros_like(out[s]))
 
 
+def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, norm: bool, device="cpu"):
+    """The fused q/k RMSNorm + rotary kernel, in place on views of one qkv projection, against the torch modules
+    (norm in float32 then rounded, as the reference does; rotary over positions anywhere in the cache)."""
+    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    from nanovllm.layers.layernorm import rms_norm
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
+    v_before = v.clone()
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    q_w, k_w = (torch.rand(head_dim, dtype=dtype, device=device) + 0.5 for _ in range(2))
+    ref_q, ref_k = q.float(), k.float()
+    if norm:
+        ref_q, ref_k = rms_norm(ref_q, q_w.float(), 1e-6), rms_norm(ref_k, k_w.float(), 1e-6)
+    ref_q, ref_k = rope(positions, ref_q, ref_k)
+    out_q, out_k = qk_norm_rope_(q, k, positions, rope.cos_sin_cache, *((q_w, k_w, 1e-6) if norm else ()))
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert_close(q, ref_q.to(dtype), dtype, f"rope q norm={norm}")
+    assert_close(k, ref_k.to(dtype), dtype, f"rope k norm={norm}")
+    assert torch.equal(v, v_before), "the rotary kernel wrote into v"
+
+
+def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
+    from nanovllm.layers.activation import silu_and_mul as reference_silu
+    from nanovllm.layers.kernels.activation import silu_and_mul
+    x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device) * 3
+    assert_close(silu_and_mul(x), reference_silu(x.float()).to(dtype), dtype, f"silu_and_mul {tokens}x{inter}")
+
+
+def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
+    """The Triton norms against layers/layernorm.py, with and without the residual add."""
+    from nanovllm.layers import layernorm
+    from nanovllm.layers.kernels import norm
+    x, residual = (torch.randn(rows, width, dtype=dtype, device=device) * 2 for _ in range(2))
+    weight = torch.rand(width, dtype=dtype, device=device) + 0.5
+    assert_close(norm.rms_norm(x, weight, 1e-6), layernorm.rms_norm(x, weight, 1e-6), dtype, "rms_norm")
+    out, res = norm.add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_res = layernorm.add_rms_norm(x, residual, weight, 1e-6)
+    assert_close(res, ref_res, dtype, "add_rms_norm residual")
+    assert_close(out, ref_out, dtype, "add_rms_norm")
+
+
+def check_race(batch: int, vocab: int, dtype, device="cpu"):
+    """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too)."""
+    from nanovllm.layers.kernels.race import race
+    from nanovllm.layers.sampler import race_in_log_space
+    logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
+    logits[0, : vocab // 2] = float("-inf")  # a masked half
+    logits[-1] = 1.0  # every logit equal: the noise decides
+    temps = torch.rand(batch, 1, device=device) + 0.3
+    noise = torch.empty(batch, vocab, device=device).exponential_(1)
+    assert torch.equal(race(logits, temps, noise), race_in_log_space(logits, temps, noise))
+
+
 DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_kernel(dtype):
+    check_rms_norm(5, 1000, dtype)  # a width that is no power of two
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_race_kernel(dtype):
+    check_race(4, 9000, dtype)  # more than two vocabulary chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
+def test_rope_kernel(heads, kv_heads, head_dim, norm, dtype):
+    check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_kernel(dtype):
+    check_silu_and_mul(5, 1500, dtype)  # a partial last column block
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -222,3 +313,18 @@ def test_fp8_decode(num_splits, dtype, kv_dtype):
 def test_decode_splits(num_splits):
     # forced splits: one program per sequence, a few, and more splits than tiles (empty splits)
     check_decode([1, 600, 0, 37], 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("max_split_tokens", [32, 64, 4096])
+def test_decode_split_tokens(max_split_tokens):
+    # fixed-length splits: one tile each (a 600-token context takes 19 programs, a 33-token one 2), two tiles, and
+    # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits
+    check_decode([1, 600, 0, 32, 33, 257], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
+                 max_split_tokens=max_split_tokens)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_decode_v_token_major(kv_dtype):
+    # V read through its own strides: a cache whose heads keep their tokens contiguous gives the same attention
+    check_decode([1, 600, 0, 37], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, kv_dtype=kv_dtype,
+                 v_token_major=True)

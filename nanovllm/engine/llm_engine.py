@@ -68,6 +68,7 @@ class LLMEngine:
     """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
     def __init__(self, model: str, **kwargs):
+        start = perf_counter()
         self.config = config = Config.from_kwargs(model, **kwargs)
         try:
             self.tokenizer = load_tokenizer(config.model)
@@ -76,6 +77,7 @@ class LLMEngine:
                 raise
             self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.vocab_size = config.hf_config.vocab_size
+        self.startup = {"config and tokenizer": perf_counter() - start}  # seconds; the runners log theirs
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)

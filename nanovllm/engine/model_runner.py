@@ -1,4 +1,5 @@
 import logging
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -44,9 +45,13 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
         if self.is_cuda:
-            torch.cuda.set_device(self.device)
-        self.model = self._load_model()
+            with self._phase("CUDA init"):
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)  # creates the context
+        with self._phase("load"):
+            self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device, is_fp8(config.kv_cache_torch_dtype))
         self.backend.check_head_dim(self.attn_layers[0].head_dim)
@@ -58,10 +63,22 @@ class ModelRunner:
         if self.is_cuda and not config.enforce_eager:
             use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
             use_compiled_ops(self.sampler, True)
-        self.num_kvcache_blocks = kv_cache.count_blocks(self)
-        self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
+        with self._phase("warm-up and KV sizing"):
+            self.num_kvcache_blocks = kv_cache.count_blocks(self)
+        with self._phase("KV allocation"):
+            self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
         self.graphs = self._capture_graphs()
         self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
+        if rank == 0:
+            logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()))
+
+    @contextmanager
+    def _phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        self.startup[name] = self.startup.get(name, 0.0) + time.perf_counter() - start
 
     def _load_model(self) -> nn.Module:
         cfg = self.config
@@ -78,7 +95,8 @@ class ModelRunner:
         if not self.is_cuda:
             return None
         if warm_up:
-            warmup_prefill_variants(self)
+            with self._phase("prefill kernel warm-up"):
+                warmup_prefill_variants(self)
         if self.config.enforce_eager:
             return None
         if not self.backend.supports_cuda_graphs:
@@ -86,7 +104,8 @@ class ModelRunner:
                 logger.warning("CUDA graphs are off (attention backend %s): decode runs eagerly", self.backend.name)
             return None
         from nanovllm.engine.cuda_graph import DecodeGraphs
-        return DecodeGraphs(self)
+        with self._phase("graph capture"):
+            return DecodeGraphs(self)
 
     def release_graphs(self):
         """Destroy the decode graphs. With TP this must come before the NCCL group is torn down: NCCL keeps a

@@ -89,7 +89,8 @@ def check_tensor_parallel(config: Config):
     sizes = {"num_attention_heads": num_heads,
              "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or num_heads,
              "vocab_size": hf.vocab_size,
-             "intermediate_size": getattr(hf, "intermediate_size", None)}
+             "intermediate_size": getattr(hf, "intermediate_size", None),
+             "moe_intermediate_size": getattr(hf, "moe_intermediate_size", None)}  # each expert's, sharded alike
     for name, value in sizes.items():
         if value is not None and value % n:
             raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={n}; "

@@ -35,10 +35,11 @@ def warmup(runner):
     torch.cuda.empty_cache()
 
 
-# The Triton prefill kernel is compiled per query tile (BLOCK_M 16..128, from the batch's longest query) and per
-# path (packed K/V, or K/V read through block tables). Each variant JITs once per machine; warming them all up at
-# start keeps that out of the first real steps (a first bench run paid about 0.9 s for one, mid-run).
-PREFILL_QUERY_LENS = (16, 32, 64, 128)
+# The Triton prefill kernel is compiled per query tile (16 rows for the longest query up to 16 tokens, else the
+# full tile) and per path (packed K/V, or K/V read through block tables). Each variant JITs once per machine;
+# warming them all up at start keeps that out of the first real steps (a first bench run paid about 0.9 s for
+# one, mid-run).
+PREFILL_QUERY_LENS = (16, 128)
 
 
 def warmup_prefill_variants(runner):

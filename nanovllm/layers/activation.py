@@ -2,8 +2,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.compile import compiled
-
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> silu(first half) * second half."""
@@ -17,7 +15,12 @@ class SiluAndMul(nn.Module):
         self.fn = silu_and_mul
 
     def use_compiled(self, enabled: bool = True):
-        self.fn = compiled(silu_and_mul) if enabled else silu_and_mul
+        """On CUDA: one Triton pass (layers/kernels/activation.py); this module's function is its reference."""
+        if enabled:
+            from nanovllm.layers.kernels.activation import silu_and_mul as triton_silu_and_mul
+            self.fn = triton_silu_and_mul
+        else:
+            self.fn = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)

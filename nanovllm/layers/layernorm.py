@@ -1,8 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import compiled
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize the last dimension in float32, as transformers does, then scale."""
@@ -26,8 +24,12 @@ class RMSNorm(nn.Module):
         self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
 
     def use_compiled(self, enabled: bool = True):
-        fns = (rms_norm, add_rms_norm)
-        self.norm_fn, self.add_norm_fn = map(compiled, fns) if enabled else fns
+        """On CUDA: one Triton kernel per call (layers/kernels/norm.py); this module's functions are the reference."""
+        if enabled:
+            from nanovllm.layers.kernels import norm
+            self.norm_fn, self.add_norm_fn = norm.rms_norm, norm.add_rms_norm
+        else:
+            self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual)."""

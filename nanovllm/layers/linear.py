@@ -36,6 +36,16 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
 
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank (an MoE router: each rank routes every token itself)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(LinearBase):
     """Splits the output dimension; each rank returns its slice of the outputs."""
 

@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import compiled
 from nanovllm.layers.logits_processors import (
     GrammarProcessor,
     LogitsProcessor,
@@ -52,7 +51,12 @@ class Sampler(nn.Module):
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
     def use_compiled(self, enabled: bool = True):
-        self.race_fn = compiled(race_in_log_space) if enabled else race_in_log_space
+        """On CUDA: the race in one Triton pass (layers/kernels/race.py)."""
+        if enabled:
+            from nanovllm.layers.kernels.race import race
+            self.race_fn = race
+        else:
+            self.race_fn = race_in_log_space
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice) -> SamplingTensors:
         """Per-row tensors; the optional ones only when some row needs them. sampled[i] is False for a chunk of a
@@ -87,7 +91,9 @@ class Sampler(nn.Module):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution (with the grammar's
         constraint applied, as in vLLM: tokens it forbids have logprob -inf)."""
-        logits = logits.float()
+        filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
+        if st.num_logprobs >= 0 or st.processors or filtered:
+            logits = logits.float()  # (argmax and the race read 16-bit logits as they are: no float32 copy)
         for processor, state in st.processors:
             if processor.is_constraint:
                 logits = processor.apply(logits, state)
@@ -99,7 +105,7 @@ class Sampler(nn.Module):
             tokens = logits.argmax(-1)
         else:
             temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
-            if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
+            if filtered:
                 tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
                 tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
@@ -126,7 +132,7 @@ def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
 
 
 def race_in_log_space(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax(logits / T - log E): the exponential race on softmax(logits / T), one fused pass when compiled."""
+    """argmax(logits / T - log E): the exponential race on softmax(logits / T)."""
     return (logits.float() / temperatures - noise.clamp(min=1e-10).log()).argmax(-1)
 
 

@@ -2,8 +2,9 @@
 
 Every family is the one shared decoder in decoder.py; a family is only the flags it sets."""
 from collections.abc import Callable
+from dataclasses import replace
 
-from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM
+from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM, MoeSpec
 
 
 def _qwen3_flags(config) -> DecoderFlags:
@@ -20,11 +21,56 @@ def _llama_flags(config) -> DecoderFlags:
     return DecoderFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
 
+# MoE config fields that describe what this engine does not do: (field, value that is fine, why it is not).
+# Qwen2-MoE's and DeepSeek's shared experts, DeepSeek-V3's sigmoid scores and grouped top-k.
+_UNSUPPORTED_MOE = [
+    ("shared_expert_intermediate_size", 0, "shared experts are not supported"),
+    ("n_shared_experts", 0, "shared experts are not supported"),
+    ("num_shared_experts", 0, "shared experts are not supported"),
+    ("scoring_func", "softmax", "only softmax router scores are supported"),
+    ("topk_method", "greedy", "only plain (greedy) top-k routing is supported"),
+    ("n_group", 1, "grouped top-k routing is not supported"),
+    ("topk_group", 1, "grouped top-k routing is not supported"),
+]
+
+
+def _moe_spec(config, intermediate_size: int, renormalize: bool) -> MoeSpec:
+    """The experts of an MoE config; ValueError naming the field for one this engine would run wrongly."""
+    for name, fine, why in _UNSUPPORTED_MOE:
+        value = getattr(config, name, None)
+        if value not in (None, fine):
+            raise ValueError(f"{name}={value!r}: {why} (nanovllm's MoE layer is top-k softmax routing over "
+                             "routed experts only)")
+    # Qwen3-MoE's config (transformers 4) says num_experts, Mixtral's num_local_experts; transformers 5 maps both
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k!r} must be between 1 and the number of experts "
+                         f"({num_experts})")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    return MoeSpec(num_experts, top_k, intermediate_size, renormalize)
+
+
+def _qwen3_moe_flags(config) -> DecoderFlags:
+    if not (getattr(config, "num_experts", None) or 0):  # transformers' rule: no experts, every layer dense
+        return _qwen3_flags(config)
+    moe = _moe_spec(config, config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)))
+    return replace(_qwen3_flags(config), moe=moe)
+
+
+def _mixtral_flags(config) -> DecoderFlags:
+    return replace(_llama_flags(config), moe=_moe_spec(config, config.intermediate_size, renormalize=True))
+
+
 MODEL_FLAGS: dict[str, Callable[[object], DecoderFlags]] = {
     "Qwen3ForCausalLM": _qwen3_flags,
     "Qwen2ForCausalLM": _qwen2_flags,
     "LlamaForCausalLM": _llama_flags,  # also SmolLM2, and Llama 3 rope scaling via rope_settings
     "MistralForCausalLM": _llama_flags,  # the Llama decoder; sliding window checked in check_model_config
+    "Qwen3MoeForCausalLM": _qwen3_moe_flags,  # Qwen3 attention; experts, and dense layers where the config says
+    "MixtralForCausalLM": _mixtral_flags,  # Mistral attention; experts in every layer
 }
 
 
@@ -39,7 +85,7 @@ def _architecture(config) -> str:
 
 def check_model_config(config, max_model_len: int) -> None:
     """Fail early, before any weight is read, on a model this engine would run wrongly."""
-    _architecture(config)
+    MODEL_FLAGS[_architecture(config)](config)  # an MoE family's flags check its experts' config
     # Sliding-window attention equals full attention while no sequence is longer than the window.
     # (Qwen2/Qwen3 configs set sliding_window to None unless use_sliding_window is on.)
     window = getattr(config, "sliding_window", None)

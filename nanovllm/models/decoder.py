@@ -1,5 +1,6 @@
 """One decoder for the Llama family. Qwen3, Qwen2, Llama and Mistral differ only by the flags in
-DecoderFlags (q/k RMSNorm, qkv bias, rope scaling), read from the Hugging Face config."""
+DecoderFlags (q/k RMSNorm, qkv bias, rope scaling), read from the Hugging Face config; Qwen3-MoE and Mixtral add
+`moe`, and each layer's MLP is then dense or mixture-of-experts as the config says (moe_layer)."""
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,16 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+
+@dataclass
+class MoeSpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert (Qwen3-MoE: moe_intermediate_size; dense layers keep intermediate_size)
+    renormalize: bool  # the top_k weights renormalized to sum to 1
 
 
 @dataclass
@@ -19,6 +29,7 @@ class DecoderFlags:
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
     o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
     mlp_bias: bool = False
+    moe: MoeSpec | None = None  # mixture-of-experts MLP in the layers moe_layer picks
 
 
 def rope_settings(config) -> tuple[float, dict | None]:
@@ -30,6 +41,13 @@ def rope_settings(config) -> tuple[float, dict | None]:
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     return float(theta), (params if rope_type not in (None, "default") else None)
+
+
+def moe_layer(config, layer: int) -> bool:
+    """Whether layer `layer` has experts (of an MoE model): Qwen3-MoE's rule, which every Mixtral layer meets
+    (its config has neither field)."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
 def head_dim_of(config) -> int:
@@ -52,15 +70,27 @@ class DecoderAttention(nn.Module):
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fused_rope = None  # on CUDA: q/k norm and rotary in one Triton kernel, in place
+
+    def use_compiled(self, enabled: bool = True):
+        half = self.head_dim // 2
+        self.fused_rope = None
+        if enabled and half & (half - 1) == 0:
+            from nanovllm.layers.kernels.rope import qk_norm_rope_
+            self.fused_rope = qk_norm_rope_
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.fused_rope is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
@@ -81,10 +111,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding, layer: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, flags, rotary_emb)
-        self.mlp = DecoderMLP(config, flags)
+        moe = flags.moe
+        if moe is not None and moe_layer(config, layer):
+            self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                      moe.renormalize)
+        else:
+            self.mlp = DecoderMLP(config, flags)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -105,7 +140,8 @@ class DecoderModel(nn.Module):
         theta, scaling = rope_settings(config)
         # One cos/sin cache for all layers: [max_position_embeddings, head_dim].
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -125,6 +161,12 @@ class DecoderForCausalLM(nn.Module):
         "mlp.gate_proj": ("gate_up_proj", 0),
         "mlp.up_proj": ("gate_up_proj", 1),
     }
+    # one expert's projection -> (stacked parameter of SparseMoeBlock.experts, shard); see loader.route_expert_weight
+    expert_weights_mapping = {
+        "gate_proj": ("gate_up_proj", GATE), "up_proj": ("gate_up_proj", UP), "down_proj": ("down_proj", 0),
+        "w1": ("gate_up_proj", GATE), "w3": ("gate_up_proj", UP), "w2": ("down_proj", 0),  # Mixtral's names
+    }
+    module_aliases = {"block_sparse_moe": "mlp"}  # Mixtral checkpoints' name of the MoE MLP
 
     def __init__(self, config, flags: DecoderFlags):
         super().__init__()

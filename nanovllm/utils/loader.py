@@ -96,6 +96,21 @@ def route_weight(name: str, packed: dict) -> tuple[str, object | None]:
     return name, None
 
 
+def route_expert_weight(name: str, experts: dict) -> tuple[str, tuple[int, int]] | None:
+    """(stacked parameter name, (expert, shard)) for one expert's projection, or None for any other tensor.
+    {"gate_proj": ("gate_up_proj", 0)} routes `layers.0.mlp.experts.3.gate_proj.weight` into shard (3, 0) of
+    `layers.0.mlp.experts.gate_up_proj`: the module path must end in `experts.<number>.<projection>`."""
+    module, _, leaf = name.rpartition(".")
+    segments = module.split(".")
+    if leaf != "weight" or len(segments) < 3:
+        return None
+    *parent, container, expert, proj = segments
+    if container != "experts" or not expert.isdigit() or proj not in experts:
+        return None
+    dst, shard = experts[proj]
+    return ".".join(parent + [container, dst]), (int(expert), shard)
+
+
 def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
     """(checkpoint name, shard id) of every shard routed into parameter `pname`; [] when it is not packed."""
     module, _, leaf = pname.rpartition(".")
@@ -114,6 +129,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     require_all: every parameter, and every shard of a packed one, must be loaded (a checkpoint); otherwise any
     subset may be (a weight update). `source` names the weights' origin, for errors."""
     packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_weights_mapping", {})
+    aliases = getattr(model, "module_aliases", {})
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
     loaded = set()  # parameter names, and (parameter name, shard id) for packed ones
@@ -123,7 +140,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                             f"{type(tensor).__name__})")
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
-        pname, shard_id = route_weight(name, packed)
+        if aliases:  # another name for one of our modules, by whole segments
+            name = ".".join(aliases.get(segment, segment) for segment in name.split("."))
+        pname, shard_id = route_expert_weight(name, experts) or route_weight(name, packed)
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[pname]
@@ -138,9 +157,13 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if not require_all:
         return
     missing = []
-    for pname in params:
+    for pname, param in params.items():
         sources = _packed_sources(pname, packed)
-        if sources:
+        shard_ids = getattr(param, "shard_ids", None)  # stacked experts: loaded whole, or every expert's shards
+        if shard_ids is not None:
+            if pname not in loaded:
+                missing += [f"{pname} (expert {e}, shard {s})" for e, s in shard_ids if (pname, (e, s)) not in loaded]
+        elif sources:
             missing += [name for name, shard_id in sources if (pname, shard_id) not in loaded]
         elif pname not in loaded:
             missing.append(pname)

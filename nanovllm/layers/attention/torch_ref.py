@@ -46,9 +46,15 @@ class TorchAttention(AttentionBackend):
             # query i sits at position len_k - len_q + i and sees keys up to there
             rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
             mask = torch.arange(len_k, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
-            out[q0:q1] = o.transpose(0, 1)
+            # The query heads of one KV head become rows of one attention (head h = kv_head * group + g), and the
+            # inputs are 4-D: so SDPA runs its fused CPU kernel (with enable_gqa, or 3-D inputs, and a mask it
+            # takes the math path, several times slower).
+            heads, kv_heads, head_dim = q.size(1), ks.size(1), q.size(2)
+            group = heads // kv_heads
+            qs = q[q0:q1].transpose(0, 1).reshape(1, kv_heads, group * len_q, head_dim)
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                               attn_mask=mask.repeat(group, 1), scale=scale)
+            out[q0:q1] = o.view(heads, len_q, head_dim).transpose(0, 1)
         return out
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):

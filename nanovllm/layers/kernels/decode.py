@@ -2,17 +2,21 @@
 
 Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
 padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.
-The split count is fixed by tensor shapes and the caller's context-length bound (never by context_lens values),
-so the launch can be captured in a CUDA graph; at run time each sequence's actual context is cut into
-num_splits equal runs of whole BLOCK_N tiles. With one split the kernel writes the output directly; otherwise
-it writes fp32 partials (running max, sum, unnormalised acc) that a second kernel merges.
+The grid is fixed by tensor shapes and the caller's context-length bound (never by context_lens values), so the
+launch can be captured in a CUDA graph. Split s of a sequence covers keys [s * P, (s + 1) * P) of its context,
+P = SPLIT_TILES * BLOCK_N tokens, so every program does at most the same work whatever the mix of context lengths
+in the batch (a long sequence gets more programs, not one long one); splits past a sequence's context return at
+once. (split_tiles = 0 cuts each sequence into as many equal runs as there are splits: the tests'.) A
+sequence served by one split is written directly; otherwise splits write fp32 partials (running max, sum,
+unnormalised acc) that a second kernel merges.
 
 An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head), the scales of one block and
 head contiguous. With a 16-bit q the dots run in float16, whatever q's type: fp8 widens to float16 in one
 instruction (to bfloat16 it takes several, which made the kernel compute-bound; float16 also keeps more mantissa
 bits). K tiles are widened and the scores multiplied by the K scales; the V scales are folded into p, divided by
-the tile's largest V scale so that p stays in [0, 1] (float16's range), and that factor multiplies the tile's
-contribution. A float32 q (tests, float32 models) computes in float32.
+the largest V scale seen so far so that p stays in [0, 1] (float16's range); the accumulator is kept in units of
+that scale (rescaled when it grows, like the running max), so p @ V accumulates inside the MMA. A float32 q (tests,
+float32 models) computes in float32.
 """
 import functools
 
@@ -24,26 +28,33 @@ from nanovllm.layers.kernels.paged_kv import kv_rows
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
+TYPICAL_CONTEXT = 512  # split lengths are sized for contexts this long, not the (much larger) graph bound
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it saves
+MAX_SPLIT_TOKENS = 1024  # a split length past this is not worth a merge: one split per sequence instead
 MAX_SPLITS = 64
 
 
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
 # Triton specialization of it (1, a multiple of 16, other)
-@triton.jit(do_not_specialize=["stride_table"])
+@triton.jit(do_not_specialize=["stride_table", "split_tiles"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, part_m_ptr, part_l_ptr,
                    part_acc_ptr, context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_cb, stride_ct, stride_ch, stride_sb, stride_sh, stride_table,
-                   qk_scale,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
+                   stride_sb, stride_sh, stride_table,
+                   qk_scale, split_tiles,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
+    num_splits = tl.num_programs(2)  # a run-time value: one compiled kernel for every split count
+    tiles_per_split = _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)  # empty (end <= start) for padding rows
+    direct = context_len <= tiles_per_split * BLOCK_N  # one split holds it all (or context 0: zeros)
+    if start >= end and not (direct and split == 0):
+        return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -54,19 +65,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     if QUANT and q.dtype != tl.float32:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # (a bfloat16 q past float16's range)
 
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)  # fp8: in units of v_top, the largest V scale so far
+    v_top = tl.full([], 1e-30, dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
-    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
-        kv_off = (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :]
-        k = tl.load(k_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_head_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_head_ptr + (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None], other=0.0)
         if QUANT:
             scale_off = block * stride_sb + kv_head * stride_sh + row  # contiguous along the block's tokens
             k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
@@ -81,41 +94,56 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_max * sum_n (p_n v_scale_n / v_max) v8_n
-            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-            pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv * v_max
+        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_top * sum_n (p_n v_scale_n / v_top) v8_n, p v_scale / v_top <= 1
+            v_new = tl.maximum(v_top, tl.max(v_scale, 0))
+            acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
+                         input_precision=PRECISION)
+            v_top = v_new
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if QUANT:
+        acc = acc * v_top
+    if direct:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context 0 (graph padding): zeros
         tl.store(o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None])
     else:
-        # partials laid out [batch, heads, NUM_SPLITS] (+ [HEAD_DIM] for acc), contiguous
+        # partials laid out [batch, heads, num_splits] (+ [HEAD_DIM] for acc), contiguous
         num_heads = tl.num_programs(1) * GROUP
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_m_ptr + part, m_i, mask=mask_g)
         tl.store(part_l_ptr + part, l_i, mask=mask_g)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
 
 
 @triton.jit
-def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Merge the splits of one (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m)."""
+def _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N: tl.constexpr):
+    if split_tiles > 0:
+        return split_tiles
+    return tl.maximum(tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits), 1)  # (1 for context 0: no split used)
+
+
+@triton.jit(do_not_specialize=["split_tiles"])
+def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, stride_ob, stride_oh,
+                          split_tiles, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Merge the splits of one (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m).
+    Only the splits that hold part of the context wrote partials; a sequence with one was written directly."""
     seq, head = tl.program_id(0), tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    used = tl.cdiv(tl.cdiv(context_len, BLOCK_N), _tiles_per_split(context_len, split_tiles, NUM_SPLITS, BLOCK_N))
+    if used <= 1:
+        return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < used
     part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))  # empty splits hold -inf too
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty (context 0): weights become 0
+    m_max = tl.max(m, 0)  # finite: every used split saw at least one key
     w = tl.exp2(m - m_max)
     l_sum = tl.sum(w * l_s, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
@@ -129,33 +157,48 @@ def _sm_count(device: torch.device) -> int:
     return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
 
 
-def num_decode_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head): enough programs to fill the GPU, each with >= MIN_TOKENS_PER_SPLIT tokens.
-    Depends only on shapes and the context bound, so a captured CUDA graph stays valid."""
-    want = PROGRAMS_PER_SM * _sm_count(device) // max(1, batch * num_kv_heads)
-    return max(1, min(want, max_context_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,
+                  max_split_tokens: int | None = None) -> tuple[int, int]:
+    """(num_splits, split_tiles): each (sequence, kv head) is served by programs of split_tiles BLOCK_N tiles, as
+    many as its context needs. The split length (a power of two in [MIN_TOKENS_PER_SPLIT, MAX_SPLIT_TOKENS]) gives
+    PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
+    programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge).
+    Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
+    layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits.
+    Depends only on shapes and the bound, so a captured CUDA graph stays valid; max_split_tokens overrides the
+    length (benchmarks)."""
+    if max_split_tokens is None:
+        want = batch * num_kv_heads * TYPICAL_CONTEXT // (PROGRAMS_PER_SM * _sm_count(device))
+        max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
+        if max_split_tokens > MAX_SPLIT_TOKENS:
+            max_split_tokens = max_context_len
+    tiles = triton.cdiv(max(max_context_len, 1), block_n)
+    split_tiles = max(triton.cdiv(max_split_tokens, block_n), triton.cdiv(tiles, MAX_SPLITS))
+    return triton.cdiv(tiles, split_tiles), split_tiles
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
-    if quant:  # measured on an H200 at batch 256 x context 1024 (benchmarks/decode_tiles.py)
-        return 64, 2, 3
+    if quant:  # the fastest on an H200 from batch 16 to 256 (benchmarks/decode_tiles.py; docs/benchmarks.md)
+        return 128, 2, 2
     return 64, 4, 3
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_context_len: int | None = None,
                      num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+                     max_split_tokens: int | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
     (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
     An fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32.
 
     max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
-    fix the grid. num_splits overrides the split heuristic (tests); config (BLOCK_N, num_warps, num_stages) the tile
-    choice (benchmarks). Returns [batch, heads, head_dim] in q's dtype.
+    fix the grid. num_splits (tests: each context cut into that many equal runs) or max_split_tokens (benchmarks)
+    override the split heuristic; config (BLOCK_N, num_warps, num_stages) the tile choice (benchmarks).
+    Returns [batch, heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -164,17 +207,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or v_cache.stride(1) == 1)  # V: d or token-major
     assert num_heads % num_kv_heads == 0 and context_lens.is_contiguous()
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size
-    if num_splits is None:
-        num_splits = num_decode_splits(batch, num_kv_heads, max_context_len, q.device)
     group = num_heads // num_kv_heads
     quant = k_scale is not None
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant)
+    if num_splits is None:
+        num_splits, split_tiles = decode_splits(batch, num_kv_heads, max_context_len, block_n, q.device,
+                                                max_split_tokens)
+    else:
+        split_tiles = 0  # equal runs
     if num_splits > 1:
         part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -185,16 +231,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, block_tables.stride(0),
-        scale * LOG2E,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
+        scale * LOG2E, split_tiles,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
+            out, part_m, part_l, part_acc, context_lens, out.stride(0), out.stride(1), split_tiles,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_N=block_n,
+            num_warps=4,
         )
     return out

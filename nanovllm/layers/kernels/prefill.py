@@ -122,10 +122,11 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tup
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 64, 4, 2
-    # Short queries (chunked prefill tails, prefix hits) waste less with a smaller tile; >= 16 for tl.dot.
-    block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
-    if block_m < 128:
-        warps = 4
+    # Decode-like queries (a few tokens: chunked prefill tails, prefix hits) waste less with a 16-row tile (the
+    # least tl.dot takes); everything longer takes the full tile. Two sizes, not every power of two: each is one
+    # more Triton compile at start-up on a fresh machine, and mid-sized queries are cheap either way.
+    if max_seqlen_q <= 16:
+        block_m, warps = 16, 4
     return block_m, block_n, warps, stages
 
 

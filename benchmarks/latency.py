@@ -1,0 +1,71 @@
+"""Small-batch latency and prefill throughput (issue #14's rows), Qwen3-0.6B shape with random weights.
+
+    python benchmarks/latency.py [--model PATH] [--prefill-seqs 512]
+
+- decode ms/token at batch 1, 16 and 64: prompts of 512 random tokens; (time for 1 + N tokens - time for 1
+  token) / N, so prefill is left out; median of three runs.
+- time to first token for one 512-token prompt (max_tokens 1), median of five.
+- prefill-heavy: `--prefill-seqs` prompts x 2048 random tokens, max_tokens 1: prompt tokens per second.
+Prefix caching is off, so every run computes its prompts.
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
+RNG = random.Random(0)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[RNG.randint(0, 10000) for _ in range(length)] for _ in range(n)]
+
+
+def timed(llm, batch: list[list[int]], max_tokens: int) -> float:
+    t = time.perf_counter()
+    llm.generate(batch, SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_CONFIG)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prefill-seqs", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    args = p.parse_args()
+    dummy = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
+    t = time.perf_counter()
+    llm = LLM(args.model, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **dummy)
+    print(f"engine start {time.perf_counter() - t:.1f}s")
+    timed(llm, prompts(2, 512), 4)  # warm-up
+    rows = []
+    for batch in (1, 16, 64):
+        per_token = []
+        for _ in range(3):
+            first = timed(llm, prompts(batch, 512), 1)
+            full = timed(llm, prompts(batch, 512), 1 + args.new_tokens)
+            per_token.append((full - first) / args.new_tokens)
+        ms = statistics.median(per_token) * 1e3
+        rows.append(f"decode batch {batch:3d}: {ms:6.3f} ms/token ({batch / ms * 1e3:,.0f} tok/s)")
+        print(rows[-1], flush=True)
+    ttft = statistics.median(timed(llm, prompts(1, 512), 1) for _ in range(5)) * 1e3
+    rows.append(f"time to first token, 512-token prompt: {ttft:.2f} ms")
+    print(rows[-1], flush=True)
+    batch = prompts(args.prefill_seqs, 2048)
+    seconds = timed(llm, batch, 1)
+    rows.append(f"prefill {args.prefill_seqs} x 2048 tokens, max_tokens 1: {seconds:.2f} s, "
+                f"{args.prefill_seqs * 2048 / seconds:,.0f} prompt tok/s")
+    print(rows[-1], flush=True)
+    llm.exit()
+    print("\n== latency ==\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Where one engine step's GPU time goes, kernel by kernel (torch.profiler; kernels inside CUDA graphs included).
+
+    python benchmarks/profile_step.py --cases decode:256:100-1024 decode:1:512 prefill:8:2048 [--kv-cache-dtype fp8]
+
+decode:B:LO-HI: B prompts of random token ids, lengths uniform in LO-HI, are prefilled, `--warm` decode steps run,
+then `--steps` decode steps are profiled. prefill:B:LEN: the prefill steps of B prompts of LEN tokens (max_tokens 1).
+One engine serves all cases.
+Prints wall ms per step (without the profiler), kernels per step, GPU busy per step, and the kernels by time.
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
+
+
+def device_us(evt) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, name):
+            return getattr(evt, name)
+    return 0.0
+
+
+def report(prof, steps: int, top: int):
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
+    busy = sum(device_us(e) for e in kernels) / steps
+    count = sum(e.count for e in kernels) / steps
+    print(f"GPU busy {busy / 1e3:.3f} ms/step, {count:.0f} kernels/step")
+    print(f"{'kernel':70s} {'calls/step':>10s} {'us/call':>8s} {'us/step':>9s} {'share':>6s}")
+    for e in sorted(kernels, key=device_us, reverse=True)[:top]:
+        total = device_us(e) / steps
+        print(f"{e.key[:70]:70s} {e.count / steps:10.1f} {device_us(e) / e.count:8.1f} {total:9.1f} "
+              f"{100 * total / busy:5.1f}%")
+
+
+def run_case(llm, case: str, warm: int, steps: int, top: int):
+    """case: decode:BATCH:LO-HI or prefill:BATCH:LEN (prompt lengths uniform in LO-HI)."""
+    kind, batch, lens = case.split(":")
+    lo, _, hi = lens.partition("-")
+    lo, hi, batch = int(lo), int(hi or lo), int(batch)
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(batch)]
+    print(f"\n== {case}: {batch} prompts of {lo}-{hi} tokens")
+    if kind == "prefill":
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)  # once without the profiler, for the wall time
+        wall = time.perf_counter() - t
+        for prompt in prompts:  # other tokens, so no prefix-cache hit on the first run's blocks
+            llm.add_request([(t + 1) % 10000 for t in prompt], params)
+        n = 0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while not llm.is_finished():
+                llm.step()
+                n += 1
+            torch.cuda.synchronize()
+        print(f"prefill: {n} steps, {sum(map(len, prompts)) / wall:,.0f} prompt tok/s wall (without the profiler)")
+        report(prof, n, top)
+        return
+    params = SamplingParams(max_tokens=warm + 2 * steps + 8, ignore_eos=True, temperature=0.6)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.scheduler.waiting or any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in llm.scheduler.running):
+        llm.step()
+    for _ in range(warm):
+        llm.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    while not llm.is_finished():
+        llm.step()
+    print(f"decode: batch {batch}, wall {wall * 1e3:.3f} ms/step ({batch / wall:,.0f} tok/s) without the profiler")
+    report(prof, steps, top)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_CONFIG)
+    p.add_argument("--cases", nargs="+", default=["decode:256:100-1024"])
+    p.add_argument("--warm", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true")
+    args = p.parse_args()
+    t = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+              enforce_eager=args.enforce_eager)
+    print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    for case in args.cases:
+        run_case(llm, case, args.warm, args.steps, args.top)
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()

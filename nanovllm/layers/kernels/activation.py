@@ -1,0 +1,33 @@
+"""SiLU-and-multiply, [tokens, 2 * inter] -> [tokens, inter]: one pass in float32 at memory speed (the compiled
+torch version ran 2.6x slower than the bytes it moves on a 16k-token prefill). layers/activation.py holds the
+torch reference."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    token, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < inter
+    gate = tl.load(x_ptr + token * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_x + inter + col, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + token * stride_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * inter] -> silu(x[..., :inter]) * x[..., inter:]."""
+    if x.dim() != 2:
+        return silu_and_mul(x.reshape(-1, x.size(-1))).view(*x.shape[:-1], x.size(-1) // 2)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, width = x.shape
+    inter = width // 2
+    out = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
+                                                               BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,51 @@
+"""RMSNorm over the last dimension, optionally with the residual add first, one program per row: the same
+arithmetic and roundings as layers/layernorm.py (the reference): the sum x + residual is rounded to the input's
+type, normalized in float32, rounded, then scaled by the weight."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual.reshape(-1, n) if residual is not None else x
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
+                                  res_out.stride(0), n, eps, ADD=residual is not None, BLOCK=block,
+                                  num_warps=min(8, max(1, block // 256)))
+    return out.view(shape), res_out.view(shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual)."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,40 @@
+"""The sampler's exponential race, argmax(logits / T - log E) per row, in one pass over 16-bit or float32 logits
+(layers/sampler.py's race_in_log_space is the reference). One program per row streams the vocabulary; ties go to
+the first index, as torch.argmax."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _race_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, stride_l, stride_n, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(temps_ptr + row)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < vocab
+        x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        e = tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=1.0)
+        score = tl.where(mask, x / t - tl.log(tl.maximum(e, 1e-10)), float("-inf"))  # (as the reference rounds)
+        m = tl.max(score, 0)
+        i = tl.min(tl.where(score == m, offs, vocab), 0).to(tl.int64)
+        take = m > best
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    tl.store(out_ptr + row, best_i)
+
+
+def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """logits [batch, vocab] (any float type), temperatures [batch, 1] or [batch] (> 0), noise [batch, vocab]
+    float32 Exp(1) draws -> token ids [batch] int64."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        noise = noise if noise.stride(-1) == 1 else noise.contiguous()
+        temps = temperatures.reshape(batch).float().contiguous()
+        _race_kernel[(batch,)](logits, temps, noise, out, logits.stride(0), noise.stride(0), vocab, BLOCK=4096,
+                               num_warps=8)
+    return out

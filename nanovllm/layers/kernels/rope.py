@@ -1,0 +1,58 @@
+"""Rotary embedding (neox style, the whole head) of q and k in place, with Qwen3's per-head q/k RMSNorm before it:
+one program per token for all its q and k heads, instead of a chain of compiled kernels (norm q, norm k, rotate
+q, rotate k) that each re-read the heads. Used by the decoder on CUDA (layers/rotary_embedding.py is the torch
+reference, layers/layernorm.py's rms_norm the norm's)."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, num_heads, cos, sin, eps,
+                  NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < num_heads)[:, None]
+    ptr = x_ptr + token.to(tl.int64) * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF]: the first half of each head
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        x1 = x1 * inv * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        x2 = x2 * inv * tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+    tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, num_q_heads, num_k_heads, eps,
+                         NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_d)[None, :]  # the cache rows are [cos | sin], float32
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d)[None, :]
+    _rotate_heads(q_ptr, q_w_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, eps, NORM, BLOCK_HQ, HALF)
+    _rotate_heads(k_ptr, k_w_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, eps, NORM, BLOCK_HK, HALF)
+
+
+def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] (views of the qkv projection are fine: the
+    last dimension must be contiguous); positions [tokens] int64; cos_sin_cache [max_position, head_dim] float32.
+    With q_weight/k_weight, each head is RMS-normalized (eps) and scaled first. Writes q and k in place and
+    returns them."""
+    tokens, num_q_heads, head_dim = q.shape
+    if tokens == 0:
+        return q, k
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
+    norm = q_weight is not None
+    _qk_norm_rope_kernel[(tokens,)](
+        q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_q_heads, k.size(1), eps,
+        NORM=norm, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.size(1)),
+        HALF=head_dim // 2, num_warps=4,
+    )
+    return q, k

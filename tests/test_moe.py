@@ -1,0 +1,431 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) and the fused MoE kernel.
+
+CPU: tiny random checkpoints made with transformers give transformers' greedy tokens in float32 (default, chunked
+prefill, preemption, prefix hit), TP=2 over gloo equals TP=1; expert weights load from per-expert and stacked names;
+unsupported configs raise naming the field; the Triton kernel interpreted (tests/moe_kernel_checks.py in a subprocess
+with TRITON_INTERPRET=1) and compiled for Hopper without a GPU. GPU (marked): the kernel in bf16 at the 30B-A3B shape,
+no host syncs, CUDA-graph replay; the engine with graphs equals eager and transformers."""
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+QWEN3_30B = ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b"
+
+# name -> make_checkpoint arguments: 8 experts, top-2, GQA
+MODELS = {
+    # layer 1 dense (mlp_only_layers), with intermediate_size 128 against the experts' 32
+    "qwen3_moe": dict(arch="qwen3_moe", tie=False, layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True),
+    # decoder_sparse_step 2: layers 1 and 3 have experts; weights not renormalized; 4 query heads per KV head
+    "qwen3_moe_step2": dict(arch="qwen3_moe", tie=True, layers=4, num_kv_heads=1, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=2,
+                            norm_topk_prob=False, seed=1),
+    "mixtral": dict(arch="mixtral", tie=False, layers=2, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_checkpoint(root / name, **kwargs) for name, kwargs in MODELS.items()}
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def _check_exact(path: str, outputs: list[dict], prompts: list[list[int]], max_tokens: int = GREEDY.max_tokens):
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == hf_greedy(path, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+
+
+# ---- the model against transformers ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_matches_transformers(checkpoints, name):
+    path = checkpoints[name]
+    prompts = _prompts(0, [3, 16, 17, 70, 300])
+    with LLM(path) as llm:  # the default block size, 256
+        _check_exact(path, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_chunked_prefill_in_blocks_of_16(checkpoints, name):
+    path = checkpoints[name]
+    prompts = _prompts(1, [120, 7, 49, 51, 200])
+    with LLM(path, kvcache_block_size=16, max_num_batched_tokens=50) as llm:  # prompts split over several steps
+        _check_exact(path, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_preemption(checkpoints, name):
+    path = checkpoints[name]
+    prompts = _prompts(2, [30, 35, 40, 20, 45, 33])
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192) as llm:
+        preempted = []
+        original = llm.scheduler.preempt
+        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert preempted, "the test should force preemption"
+    _check_exact(path, outs, prompts, 30)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_prefix_cache_hit(checkpoints, name):
+    path = checkpoints[name]
+    base = _prompts(3, [50])[0]
+    longer = base + _prompts(4, [20])[0]
+    with LLM(path, kvcache_block_size=16) as llm:
+        assert llm.generate([base], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 0
+        out = llm.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 48
+    _check_exact(path, [out], [longer])
+
+
+def test_tensor_parallel_equals_one_rank(checkpoints):
+    """TP=2 over gloo: each rank holds half of every expert's intermediate dimension (and of the dense layer's)."""
+    prompts = _prompts(5, [3, 17, 90])
+    options = dict(kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=32)
+    n = torch.get_num_threads()
+    try:
+        for name in ("qwen3_moe", "mixtral"):
+            path = checkpoints[name]
+            with LLM(path, tensor_parallel_size=2, **options) as llm:
+                [a, b] = llm.collective_rpc("describe")
+                outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            with LLM(path, **options) as single:
+                assert [o["token_ids"] for o in outs] == \
+                    [o["token_ids"] for o in single.generate(prompts, GREEDY, use_tqdm=False)], name
+                whole = single.collective_rpc("describe")[0]["num_parameters"]
+            assert a["num_parameters"] == b["num_parameters"] < whole, "experts should be sharded"
+            _check_exact(path, outs, prompts)
+    finally:
+        torch.set_num_threads(n)
+
+
+# ---- layers, weights and configs ------------------------------------------------------------------
+
+def _config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def _build(config, device: str = "meta"):
+    from nanovllm.models import build_model
+    with torch.device(device):
+        return build_model(config)
+
+
+def test_layers_follow_the_config(checkpoints):
+    from nanovllm.layers.moe import SparseMoeBlock
+    for name, moe_layers in (("qwen3_moe", [0, 2]), ("qwen3_moe_step2", [1, 3]), ("mixtral", [0, 1])):
+        config = _config(checkpoints[name])
+        model = _build(config)
+        assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)] == moe_layers
+        hf = hf_model(checkpoints[name])
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters()), name
+    dense = _config(checkpoints["qwen3_moe"])
+    dense.mlp_only_layers = [0, 1, 2]
+    assert not any(isinstance(m, SparseMoeBlock) for m in _build(dense).modules())
+
+
+def test_router_and_torch_experts_match_transformers(checkpoints):
+    """route() equals transformers' routers; the torch experts equal transformers' MoE block, uneven loads and all."""
+    from nanovllm.layers.moe import fused_experts_torch, route
+    for name in ("qwen3_moe", "qwen3_moe_step2", "mixtral"):
+        hf = hf_model(checkpoints[name])
+        block = next(m for m in hf.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+        x = torch.randn(37, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            _, hf_weights, hf_ids = block.gate(x)
+            weights, ids = route(torch.nn.functional.linear(x, block.gate.weight), hf.config.num_experts_per_tok,
+                                 renormalize=getattr(hf.config, "norm_topk_prob", True))
+            assert torch.equal(ids, hf_ids), name
+            torch.testing.assert_close(weights, hf_weights.float(), rtol=1e-6, atol=1e-7)
+            assert len(ids.unique()) == hf.config.num_experts, "every expert should get tokens"
+            ours = fused_experts_torch(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+            torch.testing.assert_close(ours, block(x[None])[0], rtol=1e-5, atol=1e-5)
+            skewed = torch.zeros_like(ids)  # every token to expert 0 (and its second choice to expert 0 too)
+            expected = torch.stack([weights.sum(1)[t] * block.experts(x[t:t + 1], skewed[t:t + 1, :1],
+                                                                      torch.ones(1, 1))[0] for t in range(37)])
+            torch.testing.assert_close(fused_experts_torch(x, block.experts.gate_up_proj, block.experts.down_proj,
+                                                           weights, skewed), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_weights_from_per_expert_and_stacked_names(checkpoints):
+    """A checkpoint stores one tensor per expert and projection (gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2
+    under block_sparse_moe); transformers keeps them stacked in memory (experts.gate_up_proj): both load, and the
+    stacked layout is transformers' own."""
+    from nanovllm.utils.loader import iter_weights, load_named_weights
+    for name in ("qwen3_moe", "mixtral"):
+        path = checkpoints[name]
+        names = [n for n, _ in iter_weights(path)]
+        assert any(".experts.3." in n for n in names) and not any("gate_up_proj" in n for n in names)
+        hf_state = hf_model(path).state_dict()
+        model = _build(_config(path), "cpu")
+        load_named_weights(model, iter_weights(path), path)
+        ours = dict(model.named_parameters())
+        for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                    "model.layers.0.mlp.gate.weight"):
+            assert torch.equal(ours[key], hf_state[key]), (name, key)
+        stacked = {k: v * 2 for k, v in hf_state.items() if ".experts." in k}
+        load_named_weights(model, stacked.items(), "update", require_all=False)
+        for key, value in stacked.items():
+            assert torch.equal(ours[key], value)
+
+
+def test_expert_weight_errors(checkpoints):
+    from nanovllm.utils.loader import iter_weights, load_named_weights
+    path = checkpoints["qwen3_moe"]
+    weights = dict(iter_weights(path))
+
+    def load(tensors):
+        load_named_weights(_build(_config(path)), tensors.items(), path)
+    missing = {k: v for k, v in weights.items() if k != "model.layers.2.mlp.experts.5.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.experts.gate_up_proj \(expert 5, shard 1\)"):
+        load(missing)
+    with pytest.raises(ValueError, match="expert 8 does not exist.*num_experts=8"):
+        load({**weights, "model.layers.0.mlp.experts.8.gate_proj.weight": torch.zeros(32, 64)})
+    with pytest.raises(ValueError, match=r"experts.2.down_proj.weight.*shape \(64, 16\).*\(64, 32\)"):
+        load({**weights, "model.layers.0.mlp.experts.2.down_proj.weight": torch.zeros(64, 16)})
+
+
+def _with_config(src: str, dst: Path, **changes) -> str:
+    """A copy of checkpoint `src`'s config.json (and nothing else) with fields changed: errors come before weights."""
+    dst.mkdir()
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(dst / "config.json", "w") as f:
+        json.dump(config, f)
+    return os.fspath(dst)
+
+
+@pytest.mark.parametrize("name, changes, field", [
+    ("qwen3_moe", dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),  # Qwen2-MoE's
+    ("qwen3_moe", dict(n_shared_experts=2), "n_shared_experts"),
+    ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    ("mixtral", dict(num_experts_per_tok=0), "num_experts_per_tok"),
+    ("qwen3_moe", dict(scoring_func="sigmoid"), "scoring_func"),
+    ("mixtral", dict(topk_method="noaux_tc", n_group=8, topk_group=4), "topk_method"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
+    ("qwen3_moe", dict(architectures=["Qwen2MoeForCausalLM"]), "Qwen2MoeForCausalLM"),
+])
+def test_unsupported_moe_configs_raise(checkpoints, tmp_path, name, changes, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(_with_config(checkpoints[name], tmp_path / "changed", **changes))
+
+
+def test_tensor_parallel_needs_divisible_experts(checkpoints, tmp_path):
+    from nanovllm.config import Config
+    from nanovllm.engine.tensor_parallel import check_tensor_parallel
+    path = _with_config(checkpoints["qwen3_moe"], tmp_path / "odd", moe_intermediate_size=33)
+    shutil.copy(os.path.join(checkpoints["qwen3_moe"], "tokenizer.json"), path)
+    with pytest.raises(ValueError, match="moe_intermediate_size=33 is not divisible by tensor_parallel_size=2"):
+        check_tensor_parallel(Config(path, tensor_parallel_size=2))
+
+
+def test_dummy_weights_route_to_every_expert(checkpoints):
+    """load_format="dummy" (bench.py --dummy) fills the experts and a router that spreads tokens over them."""
+    from nanovllm.layers.moe import SparseMoeBlock, route
+    with LLM(checkpoints["qwen3_moe"], load_format="dummy", kvcache_block_size=16, num_kvcache_blocks=16,
+             max_model_len=256) as llm:
+        out = llm.generate(_prompts(6, [40]), GREEDY, use_tqdm=False)[0]
+        model = llm.executor.runner.model
+    assert len(out["token_ids"]) == GREEDY.max_tokens
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.experts.gate_up_proj.std() > 0.01
+    hidden = torch.randn(400, block.gate.weight.size(1), generator=torch.Generator().manual_seed(0))
+    _, ids = route(block.gate(hidden), block.top_k, block.renormalize)
+    share = torch.bincount(ids.flatten(), minlength=8) / ids.numel()
+    assert share.min() > 0.02 and share.max() < 0.4, f"routing should be roughly uniform: {share.tolist()}"
+
+
+def test_qwen3_30b_a3b_config():
+    """The benchmark config builds the 30B-A3B shape: 48 MoE layers of 128 experts, about 30.5B parameters
+    (61 GB in bf16)."""
+    from nanovllm.layers.moe import SparseMoeBlock
+    from nanovllm.models import check_model_config
+    config = _config(os.fspath(QWEN3_30B))
+    check_model_config(config, 4096)
+    model = _build(config)
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert len(blocks) == 48 and all(isinstance(b, SparseMoeBlock) for b in blocks)
+    assert blocks[0].top_k == 8 and blocks[0].renormalize
+    assert blocks[0].experts.gate_up_proj.shape == (128, 1536, 2048)
+    assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
+
+
+# ---- the Triton kernel without a GPU --------------------------------------------------------------
+
+def test_kernel_interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "tests/moe_kernel_checks.py", "-q", "-p", "no:cacheprovider",
+           "--noconftest"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+
+def test_kernel_benchmark_runs_on_cpu():
+    cmd = [sys.executable, "benchmarks/moe_kernel.py", "--cpu", "--decode", "1"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "GB/s" in proc.stdout and "TFLOP/s" in proc.stdout
+
+
+def test_kernels_compile_for_hopper():
+    """Every tile configuration moe_tiles picks compiles for sm_90 and fits its shared memory."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.kernels import fused_moe as k
+    from tests.test_triton_kernels import _compile_for_hopper
+    index_ptrs = {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "block_rows_ptr")}
+    # (dtype, pairs, whether K divides by block_k: the masked path runs for hidden sizes like the tiny models' 64)
+    for dtype, num_pairs, even_k in [(torch.bfloat16, 8, True), (torch.bfloat16, 8, False),
+                                     (torch.bfloat16, 2048, True), (torch.bfloat16, 4096, True),
+                                     (torch.bfloat16, 131072, True), (torch.float32, 8, False),
+                                     (torch.float32, 131072, True)]:
+        tiles = k.moe_tiles(num_pairs, 128, dtype)
+        t = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+        common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+                      EVEN_K=even_k, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+        launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        _compile_for_hopper(k._gate_up_kernel, {n: t for n in ("x_ptr", "w_ptr", "act_ptr")} | index_ptrs,
+                            dict(TOP_K=8, **common), **launch)
+        _compile_for_hopper(k._down_kernel, {n: t for n in ("act_ptr", "w_ptr", "out_ptr")} | index_ptrs
+                            | {"weights_ptr": "*fp32"}, common, **launch)
+    step, _, _ = k._chunking(131072, 128)
+    _compile_for_hopper(k._count_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, dict(STEP=step, BLOCK_E=128),
+                        num_warps=4)
+    _compile_for_hopper(k._scatter_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32"},
+                        dict(STEP=step, BLOCK_E=128), num_warps=4)
+    _compile_for_hopper(k._offsets_kernel, {n: "*i32" for n in ("counts_ptr", "block_expert_ptr", "block_rows_ptr")},
+                        dict(BLOCK_M=128, BLOCK_C=k.MAX_CHUNKS, BLOCK_E=128, BLOCK_B=64), num_warps=8)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+QWEN3_30B_LAYER = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 64, 256, 512, 2048, 16384])
+@pytest.mark.parametrize("load", ["uniform", "skewed"])
+def test_gpu_kernel_bf16_qwen3_30b_shape(num_tokens, load):
+    from tests.moe_kernel_checks import check_fused_moe
+    s = QWEN3_30B_LAYER
+    check_fused_moe(num_tokens, s["num_experts"], s["top_k"], s["hidden"], s["inter"], torch.bfloat16, load,
+                    device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 100, 3000])
+def test_gpu_kernel_mixtral_shape(num_tokens, dtype):
+    """8 experts, top-2, Mixtral 8x7B's hidden size and half its intermediate size (one rank of two)."""
+    from tests.moe_kernel_checks import check_align, check_fused_moe, routing
+    check_fused_moe(num_tokens, 8, 2, 4096, 7168, dtype, "skewed", device="cuda")
+    check_align(routing(num_tokens, 8, 2, "skewed", device="cuda")[1], 8, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_has_no_host_sync_and_replays_in_a_graph():
+    """Captured once in a CUDA graph, replayed with other tokens and routing: equals the reference each time; and an
+    eager call never synchronizes with the host (torch raises on any sync in "error" mode)."""
+    from nanovllm.layers.kernels.fused_moe import fused_moe
+    from nanovllm.layers.moe import fused_experts_torch
+    from tests.moe_kernel_checks import TOLERANCES, random_experts, routing
+    s, num_tokens = QWEN3_30B_LAYER, 48
+    gate_up, down = random_experts(s["num_experts"], s["hidden"], s["inter"], torch.bfloat16, "cuda")
+    x = torch.randn(num_tokens, s["hidden"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, s["num_experts"], s["top_k"], "uniform", "cuda")
+    fused_moe(x, gate_up, down, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, gate_up, down, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, gate_up, down, weights, ids)
+    for seed, load in ((1, "skewed"), (2, "one"), (3, "uniform")):
+        new_weights, new_ids = routing(num_tokens, s["num_experts"], s["top_k"], load, "cuda", seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = fused_experts_torch(x.float(), gate_up.float(), down.float(), weights, ids)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.bfloat16],
+                                   msg=lambda m, load=load: f"{load}: {m}")
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_gpu_engine_graphs_and_eager_match_transformers(checkpoints, name, no_tf32):
+    """float32 on CUDA: the Triton experts in eager mode and in decode graphs give transformers' tokens."""
+    path = checkpoints[name]
+    prompts = _prompts(7, [3, 17, 70, 300, 40, 9, 120])
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=16, max_num_seqs=16,
+                 num_kvcache_blocks=128, max_model_len=512, max_num_batched_tokens=256) as llm:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert (llm.executor.runner.graphs is None) == eager
+        _check_exact(path, outs, prompts)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_bf16_graphs_equal_eager(checkpoints):
+    """bf16: graphs (batch padded to a bucket) against eager, token by token; at the first difference, if any,
+    both tokens are near-ties (within 0.1 nats, each in the other's top 2)."""
+    path = checkpoints["qwen3_moe"]
+    prompts = _prompts(8, [5, 40, 100, 7, 64, 250, 31])
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    results = []
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=64, max_model_len=512,
+                 num_kvcache_blocks=16) as llm:
+            results.append(llm.generate(prompts, sp, use_tqdm=False))
+    identical = 0
+    for a, b in zip(*results):
+        for i, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+            la, lb = a["logprobs"][i], b["logprobs"][i]
+            if ta != tb:
+                assert ta in lb and tb in la and abs(la[ta] - la[tb]) < 0.1, f"step {i}: {ta} vs {tb}"
+                break
+            assert abs(la[ta] - lb[tb]) < 0.05
+        else:
+            identical += 1
+    assert identical >= len(prompts) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_tensor_parallel_equals_one_rank(checkpoints, no_tf32):
+    path = checkpoints["qwen3_moe"]
+    prompts = _prompts(9, [3, 17, 90])
+    options = dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=32)
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check_exact(path, outs, prompts)
