@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
 #   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
-#                                 profile_fp8|ncu|dp1|eager|sampling|rl|moe|tp_check|tp_tests|tp_bench]...
+#                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
+#                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
@@ -18,7 +19,7 @@ step() {
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -v -i warn "$OUT/$name.log" | tail -"${TAIL:-12}"
-  summary+=("$name: rc=$rc$([[ $rc == 124 ]] && echo ' (TIMED OUT)') $(grep -E '^nanovllm:|passed|failed' "$OUT/$name.log" | tail -1)")
+  summary+=("$name: rc=$rc$([[ $rc == 124 ]] && echo ' (TIMED OUT)') $(grep -E '^nanovllm:|^constrained /|passed|failed' "$OUT/$name.log" | tail -1)")
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -80,6 +81,9 @@ if has eager; then
 fi
 if has rl; then
   TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
+fi
+if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks/structured.py --save-tokenizer DIR)
+  TAIL=4 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
 fi
 # MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
 if has moe || has moe_tests; then

@@ -3,8 +3,9 @@ import logging
 
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import StructuredOutputsParams
 
 logging.getLogger("nanovllm").addHandler(logging.NullHandler())
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

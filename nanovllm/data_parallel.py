@@ -19,6 +19,7 @@ from nanovllm.config import Config
 from nanovllm.engine.llm_engine import as_request_lists
 from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import require_xgrammar
 
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
@@ -191,6 +192,8 @@ class DataParallelLLM(ChatMixin):
         self._check()
         # None stays None: each replica applies the checkpoint's defaults (generation_config.json), as one engine does
         prompts, params = as_request_lists(prompts, sampling_params)
+        if any(isinstance(sp, SamplingParams) and sp.structured_outputs is not None for sp in params):
+            require_xgrammar()  # here: a replica takes only bad requests (ValueError, TypeError) in its stride
         ids = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p for p in prompts]
         block = self.config.kvcache_block_size
         keys, tokens = [], []

@@ -31,8 +31,16 @@ def _require_ray():
 _INT_FIELDS = {f.name for f in fields(SamplingParams) if f.init and "int" in str(f.type) and "float" not in str(f.type)}
 
 
+def _fields(values: dict) -> dict:
+    """A struct's fields as plain values, without those this row lacks (None, or NaN: NaN != NaN)."""
+    plain = {k: _plain(k, v) for k, v in values.items()}
+    return {k: v for k, v in plain.items() if v is not None and v == v}
+
+
 def _plain(name: str, value):
     value = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(value, dict):  # a struct inside the struct: structured_outputs
+        return _fields(value)
     if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
         value = int(value)
     return value
@@ -43,9 +51,7 @@ def _sampling_params(defaults: dict, overrides) -> SamplingParams:
         return SamplingParams(**defaults)
     if not isinstance(overrides, dict):
         raise TypeError(f"a row's sampling_params must be a dict of SamplingParams fields, got {overrides!r:.80}")
-    given = {k: _plain(k, v) for k, v in overrides.items()}
-    given = {k: v for k, v in given.items() if v is not None and v == v}  # (NaN != NaN: a field this row lacks)
-    return SamplingParams(**{**defaults, **given})
+    return SamplingParams(**{**defaults, **_fields(overrides)})
 
 
 class NanoVLLMActor:

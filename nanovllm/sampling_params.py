@@ -1,6 +1,8 @@
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.structured_outputs import StructuredOutputsParams, as_structured_outputs
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -28,10 +30,14 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
     logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens
-    plus the sampled one, from the model's distribution before penalties, temperature and filtering.
+    plus the sampled one, from the model's distribution before penalties, temperature and filtering (after a
+    grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
     prompt_logprobs=k returns, for every prompt token after the first, its log-probability and the k most
     likely tokens' (k=0: the prompt token's only), from the raw distribution.
     n: completions per prompt; the prompt is prefilled once and its KV blocks are shared by the samples.
+    structured_outputs: a StructuredOutputsParams (or a dict of its fields) constraining the answer to a JSON
+    schema, a regex, a choice or a grammar (docs/structured_outputs.md); the grammar decides where the answer ends,
+    so min_tokens cannot be combined with it.
     """
 
     temperature: float = 1.0
@@ -51,6 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -106,6 +113,10 @@ class SamplingParams:
         self.stop_token_ids = list(ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.structured_outputs = as_structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
+                             "answer may end (at that point only EOS is allowed); drop min_tokens")
 
     @property
     def stop_strings(self) -> list[str]:

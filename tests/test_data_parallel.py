@@ -96,6 +96,22 @@ def test_bad_requests_and_an_abandoned_stream_leave_the_replicas_working(dp, sin
         [o["token_ids"] for o in single.generate(prompts, greedy, use_tqdm=False)]
 
 
+def test_structured_outputs_through_replicas(dp, single):
+    """The params travel pickled to the replicas, each compiles for itself; a bad spec raises here."""
+    pytest.importorskip("xgrammar")
+    from nanovllm import StructuredOutputsParams
+    spec = StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ")"')
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, structured_outputs=spec) for i in range(6)]
+    prompts = _prompts(4, 6)
+    outs = dp.generate(prompts, params, use_tqdm=False)
+    _same(outs, single.generate(prompts, params, use_tqdm=False))
+    assert all(o["text"].startswith("(") for o in outs)
+    with pytest.raises(ValueError, match="grammar cannot be compiled"):
+        dp.generate(prompts[:2], SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= x")),
+                    use_tqdm=False)
+    assert [o["token_ids"] for o in dp.generate(prompts, params, use_tqdm=False)] == [o["token_ids"] for o in outs]
+
+
 def test_routing_keeps_prefixes_together_and_balances_tokens():
     shares = route([100, 10, 10, 100, 50, 40], ["a", "b", "c", "a", "d", "e"], 2)
     assert sorted(shares, key=len) == [[0, 3], [1, 2, 4, 5]]  # 200 tokens against 110

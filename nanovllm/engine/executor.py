@@ -8,6 +8,7 @@ are future executors, or a layer over several."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.batch import PendingStep, ScheduledBatch, StepOutput
@@ -22,8 +23,10 @@ class Executor:
         """Run one step on every rank; what rank 0 sampled."""
         raise NotImplementedError
 
-    def launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> PendingStep:
-        """Start a step without waiting for its tokens (async scheduling)."""
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None,
+               before_sampling: Callable[[], None] | None = None) -> PendingStep:
+        """Start a step without waiting for its tokens (async scheduling); `before_sampling` runs once the forward
+        pass is queued, before sampling (see ModelRunner.launch)."""
         raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
 
     def settle(self, step: PendingStep) -> StepOutput:
@@ -61,8 +64,8 @@ class UniprocExecutor(Executor):
     def run(self, batch):
         return self.runner.run(batch)
 
-    def launch(self, batch, previous):
-        return self.runner.launch(batch, previous)
+    def launch(self, batch, previous, before_sampling=None):
+        return self.runner.launch(batch, previous, before_sampling)
 
     def collective_rpc(self, method, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -14,6 +14,7 @@ from nanovllm.engine.executor import Executor, UniprocExecutor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler, accept_tokens
 from nanovllm.utils.loader import load_generation_config, load_tokenizer
 
 logger = logging.getLogger("nanovllm")
@@ -85,6 +86,7 @@ class LLMEngine:
         self._pending = None  # async scheduling: the decode step launched and not yet settled
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
         self._weights_discarded = False  # sleep(level=2) until update_weights
+        self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
         atexit.register(self.exit)
 
     def exit(self):
@@ -240,7 +242,18 @@ class LLMEngine:
         if needed > self.num_kvcache_blocks:
             raise ValueError(f"the prompt and its n={n} samples need {needed} KV blocks to start, but the cache has "
                              f"{self.num_kvcache_blocks}: lower n or give the KV cache more room")
+        if sampling_params.structured_outputs is not None:  # compiled now: a bad spec raises before anything runs
+            compiler = self._grammar_compiler()
+            for sample in (seq, *seq.forks):
+                sample.grammar = compiler.matcher(sampling_params.structured_outputs)
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer, and {self.config.model!r} has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.eos_token_ids)
+        return self._grammars
 
     def _check_awake(self):
         if self._asleep:
@@ -283,10 +296,20 @@ class LLMEngine:
             raise _nothing_to_schedule()
         if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
             return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
-        self._pending = self.executor.launch(batch, pending)
+        # A grammar's bitmask for this step needs the previous step's tokens in its matchers: then that step is settled
+        # while the device computes this one's forward pass, before this one samples.
+        constrained = pending is not None and any(seq.grammar is not None for seq in batch.rows)
+        settled: list[Sequence] = []
+
+        def settle_previous():
+            settled.extend(self._apply(pending.batch, self.executor.settle(pending)))
+        self._pending = self.executor.launch(batch, pending, settle_previous if constrained else None)
         for seq in batch.seqs:
-            seq.append_token(PENDING_TOKEN)
-        return (self._settle(pending) if pending is not None else []), _num_tokens(batch)
+            if not seq.is_finished:  # (the previous step may have just ended it: nothing more to hold a place for)
+                seq.append_token(PENDING_TOKEN)
+        if pending is not None and not constrained:
+            settled = self._settle(pending)
+        return settled, _num_tokens(batch)
 
     def _settle(self, step=None) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them."""
@@ -296,8 +319,29 @@ class LLMEngine:
 
     def _apply(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         updated = self.scheduler.postprocess(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
+        self._advance_grammars(updated)
         self._update_texts(updated)
         return updated
+
+    def _advance_grammars(self, seqs: list[Sequence]):
+        """Structured outputs: each matcher takes its sequence's new token. A matcher that terminates (it accepted a
+        stop token where its grammar may end) finishes its request with "stop", even with ignore_eos."""
+        constrained = [seq for seq in seqs if seq.grammar is not None and not seq.grammar.is_terminated()]
+        if not constrained:
+            return
+        accepted = accept_tokens([seq.grammar for seq in constrained], [seq.new_token for seq in constrained])
+        for seq, ok in zip(constrained, accepted):
+            if not ok:  # the mask makes this unreachable; should it happen, the answer cannot go on
+                logger.warning("sequence %d: its grammar refused token %d; the request ends (finish_reason 'error')",
+                               seq.seq_id, seq.new_token)
+                reason = "error"
+            elif seq.grammar.is_terminated():
+                reason = "stop"
+            else:
+                continue
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+            seq.finish_reason = reason
 
     def _update_texts(self, seqs: list[Sequence]):
         for seq in seqs:

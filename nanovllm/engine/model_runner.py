@@ -1,5 +1,6 @@
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -258,9 +259,12 @@ class ModelRunner:
             fb.prompt_hidden = hidden[fb.prompt_rows]
         return self.model.compute_logits(hidden)
 
-    def launch(self, batch: ScheduledBatch, previous: PendingStep | None = None) -> PendingStep | None:
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None = None,
+               before_sampling: Callable[[], None] | None = None) -> PendingStep | None:
         """Start a step on the device and return without waiting for its tokens (rank 0; None on other ranks).
-        Sampling and the logits processors' bookkeeping stay on the device."""
+        Sampling and the logits processors' bookkeeping stay on the device. `before_sampling` (rank 0) runs while the
+        device computes the forward pass: async scheduling settles the previous step there when this one's grammar
+        bitmask needs its tokens."""
         try:
             fb = self.prepare(batch, previous)
             logits = self.run_model(fb)
@@ -269,6 +273,8 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(batch, fb) if batch.prompt_logprobs else None
             if self.rank != 0:
                 return None
+            if before_sampling is not None:
+                before_sampling()
             tokens, logprobs = self.sampler(logits, fb.sampling, self.generator)
             step = PendingStep(batch, tokens, self._to_host(tokens),
                                tuple(self._to_host(t) if t is not None else None for t in logprobs)

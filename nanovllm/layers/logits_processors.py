@@ -1,10 +1,11 @@
 """Logits processors: per-step changes to the logits before sampling, each prepared once per step for the rows
-that need it and skipped entirely when none does. Penalties and min_tokens are processors; grammar bitmasks
-will be one too.
+that need it and skipped entirely when none does. The grammar bitmask (structured outputs), penalties and min_tokens
+are processors.
 
 A processor's `prepare` reads the step's sequences (duck-typed: `seq_id`, `sampling_params`, `token_ids`,
-`num_prompt_tokens`, `num_completion_tokens`, `is_finished`) and returns this step's state, or None."""
+`num_prompt_tokens`, `num_completion_tokens`, `is_finished`, `grammar`) and returns this step's state, or None."""
 from collections.abc import Sequence as Rows
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,10 @@ from nanovllm.utils.context import ToDevice
 
 
 class LogitsProcessor:
+    # A constraint removes tokens a request may not produce at all: it is applied before logprobs are taken, so they
+    # see the constrained distribution (as in vLLM). The others change preferences and come after.
+    is_constraint = False
+
     def prepare(self, seqs: Rows, sampled: list[bool], to_device: ToDevice) -> object | None:
         """This step's state; None when no row needs the processor. sampled[i]: row i's token is kept
         (False for a chunk of a longer prefill)."""
@@ -115,3 +120,53 @@ class PenaltiesProcessor(LogitsProcessor):
         rows, tokens = state["rows"][sampled], tokens[sampled]
         self.seen[rows, tokens] = True
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
+
+
+@dataclass
+class GrammarState:
+    rows: list[int]  # rows of the batch whose sequence has a grammar
+    seqs: list  # their sequences
+    to_device: ToDevice
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Structured outputs: each constrained row's matcher (`seq.grammar`, an xgrammar GrammarMatcher, advanced by the
+    engine as tokens settle) fills its row of a token bitmask, and the tokens its grammar does not allow next get
+    -inf. The bitmask is filled in `apply`, when the forward pass is already queued, so on a GPU the host fills it
+    while the device computes; it is filled in pinned memory and copied without blocking. Unconstrained rows are
+    neither filled nor copied nor masked."""
+
+    is_constraint = True
+
+    def __init__(self, vocab_size: int):
+        self.words = (vocab_size + 31) // 32  # the bitmask: one bit per vocabulary id, 32 per int32
+        self.batch_matcher = None  # xgrammar's threaded bitmask filler, made with the first constrained row
+
+    def prepare(self, seqs, sampled, to_device):
+        rows = [i for i, (seq, keep) in enumerate(zip(seqs, sampled))
+                if keep and getattr(seq, "grammar", None) is not None]
+        return GrammarState(rows, [seqs[i] for i in rows], to_device) if rows else None
+
+    def apply(self, logits, state):
+        from nanovllm.structured_outputs import require_xgrammar
+        xgr = require_xgrammar()
+        # A sequence that ended after this step was prepared (async scheduling settles the step before while this
+        # one runs) samples a token nobody reads: it needs no mask, and its matcher has none to give.
+        live = [(row, seq.grammar) for row, seq in zip(state.rows, state.seqs)
+                if not seq.is_finished and not seq.grammar.is_terminated()]
+        if not live:
+            return logits
+        rows, matchers = zip(*live)
+        if self.batch_matcher is None:
+            self.batch_matcher = xgr.BatchGrammarMatcher()
+        host = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=logits.is_cuda)
+        self.batch_matcher.batch_fill_next_token_bitmask(list(matchers), host)
+        bitmask = host.to(logits.device, non_blocking=True)
+        indices = None
+        if len(rows) < logits.size(0):  # xgrammar indexes the bitmask and the logits with the same row ids
+            indices = state.to_device(list(rows), torch.int32)
+            full = torch.empty((logits.size(0), self.words), dtype=torch.int32, device=logits.device)
+            full[indices.long()] = bitmask
+            bitmask = full
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.size(1), indices=indices)
+        return logits

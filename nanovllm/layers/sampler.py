@@ -5,7 +5,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import LogitsProcessor, MinTokensProcessor, PenaltiesProcessor
+from nanovllm.layers.logits_processors import (
+    GrammarProcessor,
+    LogitsProcessor,
+    MinTokensProcessor,
+    PenaltiesProcessor,
+)
 from nanovllm.sampling_params import sample_seed
 from nanovllm.utils.context import ToDevice
 
@@ -41,7 +46,9 @@ class Sampler(nn.Module):
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
-        self.processors: list[LogitsProcessor] = [self.penalties, self.min_tokens]  # applied in this order
+        self.grammar = GrammarProcessor(vocab_size)
+        # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
+        self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
     def use_compiled(self, enabled: bool = True):
         """On CUDA: the race in one Triton pass (layers/kernels/race.py)."""
@@ -82,13 +89,18 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
-        top ids [batch, k], sampled token's logprob [batch]) from the raw distribution."""
+        top ids [batch, k], sampled token's logprob [batch]) from the raw distribution (with the grammar's
+        constraint applied, as in vLLM: tokens it forbids have logprob -inf)."""
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
         if st.num_logprobs >= 0 or st.processors or filtered:
             logits = logits.float()  # (argmax and the race read 16-bit logits as they are: no float32 copy)
+        for processor, state in st.processors:
+            if processor.is_constraint:
+                logits = processor.apply(logits, state)
         raw_logprobs = torch.log_softmax(logits, -1) if st.num_logprobs >= 0 else None
         for processor, state in st.processors:
-            logits = processor.apply(logits, state)
+            if not processor.is_constraint:
+                logits = processor.apply(logits, state)
         if st.all_greedy:  # nothing to draw: skip the softmax and the noise
             tokens = logits.argmax(-1)
         else:

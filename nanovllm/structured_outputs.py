@@ -1,0 +1,178 @@
+"""Structured outputs, with vLLM's names: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`
+constrains an answer to a JSON schema, any JSON object, a regex, one of several strings, or an EBNF grammar.
+
+StructuredOutputsParams is plain data (it travels pickled to data-parallel replicas and comes as a dict from Ray
+rows). GrammarCompiler turns it into an xgrammar grammar, compiled once per distinct spec, and gives every sequence
+(every sample of n) a matcher of its own. xgrammar is an optional dependency (`pip install "nanovllm[structured]"`),
+imported only when a constrained request arrives; the per-step bitmask is layers/logits_processors.py's
+GrammarProcessor."""
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+INSTALL_HINT = 'structured outputs need xgrammar: pip install "nanovllm[structured]"'
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def require_xgrammar():
+    """The xgrammar module, or an ImportError that says how to install it."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return xgrammar
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of:
+    json: a JSON schema (dict or str), or a pydantic model class (its schema is taken here);
+    json_object: True for any JSON object;
+    regex: the whole answer matches this regular expression;
+    choice: the answer is exactly one of these strings;
+    grammar: an EBNF grammar as xgrammar reads it (GBNF-like, the root rule named `root`).
+    disable_any_whitespace: JSON without free whitespace between tokens (compact separators); small models given
+    free whitespace may fill an answer with blank lines."""
+
+    json: dict | str | type | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError(f"json_object must be True, False or None, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise TypeError(f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}")
+        given = self._given()
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}; got "
+                             f"{' and '.join(given) if given else 'none'}")
+        if self.json is not None:
+            self.json = _schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+            if value == "":
+                raise ValueError(f"{name} must not be empty")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+                raise TypeError(f"choice must be a list of str, got {self.choice!r:.80}")
+            if not self.choice:
+                raise ValueError("choice must list at least one string")
+            self.choice = list(self.choice)
+
+    def _given(self) -> list[str]:
+        return [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+
+    @property
+    def kind(self) -> str:
+        return self._given()[0]
+
+    @property
+    def key(self) -> tuple:
+        """What tells two specs apart (equal keys compile to the same grammar). Key order stays: it is the order in
+        which a JSON schema's properties are generated."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        return self.kind, value, self.disable_any_whitespace
+
+
+def _schema(value) -> dict:
+    """A JSON schema as a dict: parsed from a str, taken from a pydantic model class, or a dict as given."""
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):  # pydantic v2, without importing pydantic
+        return value.model_json_schema()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json must be a JSON schema; the str given is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"json must be a JSON schema object, got the JSON value {value!r:.80}")
+        return value
+    if isinstance(value, dict):
+        try:  # a copy: the caller's dict may change later, the request's schema does not
+            return json.loads(json.dumps(value))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"json: the schema dict must hold JSON values only: {e}") from None
+    raise TypeError(f"json must be a JSON schema (dict or str) or a pydantic model class, got {type(value).__name__}")
+
+
+def as_structured_outputs(value) -> "StructuredOutputsParams | None":
+    """SamplingParams.structured_outputs as given: None, a StructuredOutputsParams, or a dict of its fields (Ray rows,
+    where a field a row lacks comes as None)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown structured_outputs field(s) {', '.join(unknown)}; valid: {', '.join(KINDS)}, "
+                            "disable_any_whitespace")
+        return StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None})
+    raise TypeError(f"structured_outputs must be StructuredOutputsParams (or a dict of its fields), got "
+                    f"{type(value).__name__}")
+
+
+# xgrammar's messages start with a log prefix: "[08:44:18] /project/cpp/regex_converter.cc:94: "
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer; each distinct spec once (the MAX_CACHED most recently
+    used are kept). One per engine, made with its first constrained request."""
+
+    MAX_CACHED = 256
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.xgr = xgr = require_xgrammar()
+        # The model's vocabulary may be larger than the tokenizer's: the ids past the tokenizer's are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (the cache is ours, keyed by the spec)
+        self.compiled: OrderedDict = OrderedDict()
+        self.num_compiled = 0
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar; ValueError naming the problem when xgrammar refuses the spec."""
+        key = params.key
+        if key in self.compiled:
+            self.compiled.move_to_end(key)
+            return self.compiled[key]
+        try:
+            compiled = self._compile(params)
+        except RuntimeError as e:  # xgrammar reports every bad schema, regex or grammar as a RuntimeError
+            message = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {message}") from None
+        self.num_compiled += 1
+        self.compiled[key] = compiled
+        if len(self.compiled) > self.MAX_CACHED:
+            self.compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams):
+        compiler, kind = self.compiler, params.kind
+        any_whitespace = not params.disable_any_whitespace
+        if kind == "json":
+            return compiler.compile_json_schema(json.dumps(params.json), any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":  # EBNF string literals take JSON's escapes
+            options = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return compiler.compile_grammar(f"root ::= {options}")
+        return compiler.compile_grammar(params.grammar)
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher (xgrammar.GrammarMatcher) for one sequence; it allows the stop tokens only where the
+        grammar may end, and terminates when it accepts one."""
+        return self.xgr.GrammarMatcher(self.compile(params))
+
+
+def accept_tokens(matchers: list, tokens: list[int]) -> list[bool]:
+    """Advance each matcher by its sequence's new token (in one call into xgrammar); False where one is refused."""
+    return require_xgrammar().BatchGrammarMatcher.batch_accept_token(matchers, tokens)

