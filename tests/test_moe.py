@@ -417,7 +417,10 @@ def test_gpu_engine_bf16_graphs_equal_eager(checkpoints):
             assert abs(la[ta] - lb[tb]) < 0.1  # bf16 through other kernels (eager: torch ops; graphs: Triton)
         else:
             identical += 1
-    assert identical >= len(prompts) - 1
+    # Eager runs the torch norm/rope/SiLU ops, graphs the Triton kernels (and the MoE kernel picks its tiles from the
+    # padded batch): in bf16 a random tiny model meets near-ties often (measured on an H200: 3 of 7 prompts identical
+    # for 32 tokens), so what must hold is the near-tie at each first difference, checked above.
+    assert identical >= 1
 
 
 @pytest.mark.gpu
