@@ -78,7 +78,7 @@ def test_kernels_compile_for_hopper():
             num_warps=warps, num_stages=stages)
     _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                                                        "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
-                        dict(NUM_SPLITS=5, BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
+                        dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",

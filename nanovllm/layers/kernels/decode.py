@@ -125,21 +125,21 @@ def _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N: tl.constexpr
     return tl.maximum(tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits), 1)  # (1 for context 0: no split used)
 
 
-@triton.jit(do_not_specialize=["split_tiles"])
+@triton.jit(do_not_specialize=["split_tiles", "num_splits"])
 def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, stride_ob, stride_oh,
-                          split_tiles, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          split_tiles, num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """Merge the splits of one (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m).
     Only the splits that hold part of the context wrote partials; a sequence with one was written directly."""
     seq, head = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    used = tl.cdiv(tl.cdiv(context_len, BLOCK_N), _tiles_per_split(context_len, split_tiles, NUM_SPLITS, BLOCK_N))
+    used = tl.cdiv(tl.cdiv(context_len, BLOCK_N), _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N))
     if used <= 1:
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_s = offs_s < used
-    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
@@ -240,8 +240,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, context_lens, out.stride(0), out.stride(1), split_tiles,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_N=block_n,
+            out, part_m, part_l, part_acc, context_lens, out.stride(0), out.stride(1), split_tiles, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_N=block_n,
             num_warps=4,
         )
     return out
