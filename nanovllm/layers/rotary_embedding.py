@@ -33,17 +33,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
         self.fn = apply_rotary
+        self._rows: tuple | None = None  # (positions, their cache rows): every layer of a step shares them
 
     def use_compiled(self, enabled: bool = True):
         self.fn = compiled(apply_rotary) if enabled else apply_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        return self.fn(positions, q, k, self.cos_sin_cache)
+        if self.fn is not apply_rotary:
+            return self.fn(positions, q, k, self.cos_sin_cache)
+        if self._rows is None or self._rows[0] is not positions:  # one gather per step, not per layer (CPU)
+            self._rows = (positions, self.cos_sin_cache[positions])
+        return apply_rotary(positions, q, k, self._rows[1], gathered=True)
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 gathered: bool = False):
+    """gathered: cos_sin_cache is already the rows of `positions`."""
+    cos, sin = (cos_sin_cache if gathered else cos_sin_cache[positions]).unsqueeze(1).chunk(2, -1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

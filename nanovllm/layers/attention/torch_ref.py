@@ -21,11 +21,22 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = False  # boolean-mask indexing in store_kvcache syncs with the host
 
+    def __init__(self):
+        # What every layer of a step shares (slots to write, rows to gather), computed by its first layer: keyed by
+        # the step's tensor, so the next step (a new tensor) recomputes it.
+        self._slots: tuple | None = None
+        self._rows: tuple | None = None
+
+    def _slots_for(self, slot_mapping: torch.Tensor):
+        if self._slots is None or self._slots[0] is not slot_mapping:
+            keep = slot_mapping >= 0
+            self._slots = (slot_mapping, None if bool(keep.all()) else keep, slot_mapping[keep].long())
+        return self._slots[1:]
+
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
+        keep, slots = self._slots_for(slot_mapping)
         for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            x = x[keep]
+            x = x if keep is None else x[keep]
             if x_scale is not None:
                 x, s = quantize(x, cache.dtype)
                 block_size = cache.size(1)
@@ -57,23 +68,30 @@ class TorchAttention(AttentionBackend):
             out[q0:q1] = o.reshape(heads, len_q, head_dim).transpose(0, 1)  # (SDPA's output may be strided)
         return out
 
+    def _rows_for(self, context: Context, block_size: int):
+        """(blocks, offsets [batch, length] of the cache rows to gather, valid [batch, length]) for a decode step."""
+        if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
+            lens = context.context_lens.long()
+            length = int(lens.max()) if lens.numel() else 0
+            steps = torch.arange(length, device=lens.device).unsqueeze(0)
+            pos = torch.minimum(steps, (lens - 1).clamp(min=0).unsqueeze(1))
+            blocks = context.block_tables.long().gather(1, pos // block_size).clamp(min=0)
+            self._rows = (context.context_lens, context.block_tables, blocks, pos % block_size,
+                          steps < lens.unsqueeze(1))
+        return self._rows[2:]
+
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         """Gathers each sequence's tokens up to the batch's longest context (not whole blocks), then one SDPA.
         Positions past a sequence's own context read its last real token, so they hold finite values (the cache
         past a sequence can hold anything, NaN too) and the mask gives them no weight."""
         batch, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.size(1), k_cache.size(2)
-        lens = context.context_lens.long()
-        length = int(lens.max()) if batch else 0
-        pos = torch.minimum(torch.arange(length, device=q.device).unsqueeze(0), (lens - 1).clamp(min=0).unsqueeze(1))
-        blocks = context.block_tables.long().gather(1, pos // block_size).clamp(min=0)  # [batch, length]
-        offsets = pos % block_size
+        num_kv_heads = k_cache.size(2)
+        blocks, offsets, valid = self._rows_for(context, k_cache.size(1))
         k = raw(k_cache)[blocks, offsets].view(k_cache.dtype)  # [batch, length, kv_heads, head_dim]
         v = raw(v_cache)[blocks, offsets].view(v_cache.dtype)
         if k_scale is not None:
             k = dequantize(k, k_scale[blocks, :, offsets])
             v = dequantize(v, v_scale[blocks, :, offsets])
-        valid = torch.arange(length, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [batch, length]
         out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), k.transpose(1, 2).float(),
                                              v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :],
                                              scale=scale, enable_gqa=num_heads != num_kv_heads)
