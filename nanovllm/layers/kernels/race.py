@@ -1,6 +1,7 @@
 """The sampler's exponential race, argmax(logits / T - log E) per row, in one pass over 16-bit or float32 logits
 (layers/sampler.py's race_in_log_space is the reference). One program per row streams the vocabulary; ties go to
-the first index, as torch.argmax."""
+the first index, as torch.argmax. The GPU's division and log may differ from torch's in the last bit, so a near-tie
+can go the other way than the reference's on the same noise: the distribution is the same."""
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +18,7 @@ def _race_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, stride_l, stride_n, 
         mask = offs < vocab
         x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
         e = tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=1.0)
-        score = tl.where(mask, x / t - tl.log(tl.maximum(e, 1e-10)), float("-inf"))  # (as the reference rounds)
+        score = tl.where(mask, x / t - tl.log(tl.maximum(e, 1e-10)), float("-inf"))
         m = tl.max(score, 0)
         i = tl.min(tl.where(score == m, offs, vocab), 0).to(tl.int64)
         take = m > best
