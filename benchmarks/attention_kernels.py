@@ -41,7 +41,7 @@ import triton  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
-from nanovllm.layers.attention.fp8 import cache_layout, quantize  # noqa: E402
+from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
 from nanovllm.layers.kernels.decode import _decode_config, decode_attention, decode_splits  # noqa: E402
@@ -73,6 +73,8 @@ def decode_case(batch: int, context: int, splits: str) -> dict:
         kv_scale = cache_layout(kv_scale)
         scales = dict(k_scale=kv_scale[0], v_scale=kv_scale[1])
     k_cache, v_cache = kv[0], kv[1]
+    if KV_DTYPE is not None:  # V token-major, as the engine stores an fp8 cache
+        v_cache = token_major(v_cache)
     perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(copies, batch, blocks_per_seq)
     q = torch.randn(batch, heads, head_dim, dtype=DTYPE, device=DEVICE)
     lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)

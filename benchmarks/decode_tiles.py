@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
-from nanovllm.layers.attention.fp8 import cache_layout, quantize, raw  # noqa: E402
+from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.kernels import decode  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
@@ -37,12 +37,6 @@ def contexts_for(shape: str) -> list[int]:
         rng = random.Random(0)
         return [rng.randint(200, 2048) for _ in range(int(batch))]
     return [int(ctx)] * int(batch)
-
-
-def token_major(v: torch.Tensor) -> torch.Tensor:
-    """The same V, stored [blocks, kv_heads, head_dim, block_size] (each head's tokens contiguous), viewed with the
-    usual [blocks, block_size, kv_heads, head_dim] indexing."""
-    return raw(v).permute(0, 2, 3, 1).contiguous().view(v.dtype).permute(0, 3, 1, 2)
 
 
 def make_case(lens: list[int], kv_dtype, v_layout: str):
@@ -83,8 +77,9 @@ def main():
                                                    "1x4096"])
     p.add_argument("--configs", nargs="+", default=None, help="BLOCK_N,warps,stages[,max_split_tokens|eq] ...")
     p.add_argument("--once", action="store_true", help="one plain launch per choice (for ncu), no timing")
-    p.add_argument("--v-layout", choices=["d", "token"], default="d",
-                   help="token: V stored with each head's tokens contiguous (an experiment)")
+    p.add_argument("--v-layout", choices=["d", "token"], default=None,
+                   help="d: V stored like K (the 16-bit layout); token: each head's tokens contiguous (default: fp8 "
+                        "token-major, 16-bit d, as the engine stores them)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.configs:
@@ -98,7 +93,8 @@ def main():
         kv_dtype = KV_CACHE_DTYPES[name]
         for si, shape in enumerate(args.shapes):
             lens = contexts_for(shape)
-            q, kv, scales, tables, ctx_lens, nbytes = make_case(lens, kv_dtype, args.v_layout)
+            layout = args.v_layout or ("token" if kv_dtype is not None else "d")
+            q, kv, scales, tables, ctx_lens, nbytes = make_case(lens, kv_dtype, layout)
             ref = ref_scale = None
             for choice in choices:
                 config = None if choice[0] == "default" else tuple(int(x) for x in choice[:3])

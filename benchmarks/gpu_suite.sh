@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|tiles_default|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -23,6 +23,9 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+if has startup_probe; then  # first: on a fresh machine this is the cold-cache case
+  TAIL=14 step startup_probe 120 python3 benchmarks/startup_probe.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
+fi
 if has tests; then
   step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
     --deselect tests/test_moe.py  # (the moe step runs those)
@@ -54,6 +57,23 @@ if has tiles_fp8; then  # fp8 tiles incl. no pipelining, with V stored d-major (
     TAIL=8 step "tiles_fp8_$layout" 200 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 \
       --v-layout $layout --shapes 256x1024 256xbench 64xbench 16xbench --configs $C
   done
+fi
+if has tiles_default; then  # the engine's decode kernel choices (fp8: V token-major), both cache types
+  TAIL=10 step tiles_default 150 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 auto \
+    --shapes 256x1024 256xbench 64xbench 16xbench --configs default
+fi
+if has tiles_token; then  # fp8 tiles with V token-major, and the default with V stored like K
+  C="default 128,2,2 128,4,2 64,4,3 64,2,3 128,4,3 64,4,4 128,8,2 256,4,2 256,8,2"
+  TAIL=12 step tiles_token 300 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 --v-layout token \
+    --shapes 256x1024 256xbench 64xbench 16xbench --configs $C
+  TAIL=6 step tiles_d 120 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 --v-layout d \
+    --shapes 256x1024 256xbench 64xbench 16xbench --configs default 128,2,2
+fi
+if has gemv; then  # linear layers at decode batch sizes: cuBLAS against the Triton kernel
+  TAIL=14 step gemv 120 python3 benchmarks/small_gemm.py
+fi
+if has gemv_sweep; then
+  TAIL=30 step gemv_sweep 400 python3 benchmarks/small_gemm.py --rows 1 16 --sweep
 fi
 if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-like contexts
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

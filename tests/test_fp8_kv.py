@@ -118,6 +118,19 @@ def test_the_cache_holds_about_twice_the_tokens(qwen3_tied):
     assert sizes["fp8"] == sizes["fp8_e5m2"] and sizes["fp8"] / sizes["auto"] == pytest.approx(32 / 20, rel=0.01)
 
 
+def test_an_fp8_cache_stores_v_token_major_and_starts_zeroed(qwen3_tied):
+    # The kernels read whole V tiles past a context (weight 0): the bytes there must be finite, so the cache starts
+    # zeroed; V is token-major (each head's tokens contiguous), K as the 16-bit cache
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256, kv_cache_dtype="fp8")
+    runner = llm.executor.runner
+    assert not runner.kv_cache.view(torch.uint8).any() and not runner.kv_scale.any()
+    attn = runner.attn_layers[0]
+    assert attn.k_cache.shape == attn.v_cache.shape and attn.k_cache.stride(-1) == 1 and attn.v_cache.stride(1) == 1
+    prompt = list(range(3, 40))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert attn.v_cache.view(torch.uint8).any()  # written through the views (outputs: the quality tests above)
+
+
 def test_bad_kv_cache_dtype_and_a_backend_without_fp8(qwen3_tied):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"):
         LLM(qwen3_tied, kv_cache_dtype="int8")

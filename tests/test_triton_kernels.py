@@ -17,7 +17,7 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu or norm or race"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu or norm or race or gemv"])
 def test_kernels_interpreted(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
@@ -61,21 +61,24 @@ def test_kernels_compile_for_hopper():
             | {n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")}
             | {n: "*i32" for n in ("cu_q_ptr", "cu_k_ptr", "table_ptr")},
             dict(GROUP=2, PAGED=paged, BLOCK_SIZE=16 if head_dim == 64 else 256, BLOCK_M=block_m, BLOCK_N=block_n,
-                 HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
+                 HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
+                 V_TOKEN_MAJOR=kv is not None and paged),
             num_warps=warps, num_stages=stages)
     for dtype, head_dim, group, kv in [(torch.bfloat16, 128, 2, None), (torch.bfloat16, 128, 8, None),
                                        (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
                                        (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
-        block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None)
-        _compile_for_hopper(
-            decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
-            | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
-            | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
-            | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
-            dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n,
-                 HEAD_DIM=head_dim, PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None),
-            num_warps=warps, num_stages=stages)
+        for v_token_major in (False, True) if kv else (False,):  # the engine's fp8 V is token-major
+            block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major)
+            _compile_for_hopper(
+                decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
+                | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
+                | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
+                | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
+                dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                     PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
+                     V_TOKEN_MAJOR=v_token_major),
+                num_warps=warps, num_stages=stages)
     _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                                                        "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
                         dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
@@ -102,6 +105,12 @@ def test_elementwise_kernels_compile_for_hopper():
         _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
                                                                           "res_out_ptr")} | {"eps": "fp32"},
                             dict(ADD=add, BLOCK=1024), num_warps=4)
+    from nanovllm.layers.kernels import gemv
+    for rows in (1, 16):
+        block_n, block_k, warps, stages = gemv.gemv_config(rows, 4096, 1024)
+        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
+                            dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
+                                 EVEN=True), num_warps=warps, num_stages=stages)
     _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
                                             "out_ptr": "*i64"}, dict(BLOCK=4096), num_warps=8)
 
@@ -225,3 +234,13 @@ def test_gpu_rope_and_silu(tokens, norm):
     check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
     check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
     check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_gpu_gemv(rows):
+    # the Qwen3-0.6B shapes (qkv, o, gate_up, down, LM head), and a ragged one with a bias
+    from tests.triton_kernel_checks import check_gemv
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
+        check_gemv(rows, n, k, torch.bfloat16, False, device="cuda")
+    check_gemv(rows, 1000, 1000, torch.bfloat16, True, device="cuda")

@@ -6,7 +6,7 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 import pytest
 import torch
 
-from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, raw
+from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, token_major
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
@@ -82,7 +82,8 @@ def reference(fn, *tensors_and_rest):
     return fn(*args)
 
 
-def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dtype, device="cuda"):
+def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dtype, device="cuda",
+                    v_token_major: bool = True):
     """The quantizing store against the torch one: the same scales, and values within one fp8 step (the GPU's
     float division may differ from torch's in the last bit, which can move a value across a rounding boundary)."""
     num_blocks, tokens = 6, 11
@@ -93,6 +94,9 @@ def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dty
     slots = slots.to(device)
     caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype, device=device) for _ in "kv"]
               + [torch.zeros(num_blocks, kv_heads, block_size, device=device) for _ in "kv"] for _ in range(2)]
+    if v_token_major:  # as the engine stores an fp8 V
+        for c in caches:
+            c[1] = token_major(c[1])
     TritonAttention().store_kvcache(k, v, caches[0][0], caches[0][1], slots, caches[0][2], caches[0][3])
     TorchAttention().store_kvcache(k, v, caches[1][0], caches[1][1], slots, caches[1][2], caches[1][3])
     ours, ref = caches
@@ -104,14 +108,16 @@ def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dty
         assert ((a - b).abs() <= step * b.abs() + 1e-6).all(), "store fp8: values more than one step apart"
 
 
-def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
+def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu", v_token_major: bool = False):
     num_blocks, tokens = 6, 11
     k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    if v_token_major:
+        v_cache = token_major(v_cache)
     _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
     slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
     slots[[1, 4, 10]] = -1
     slots = slots.to(device)
-    ours = (k_cache.clone(), v_cache.clone())
+    ours = (k_cache.clone(), v_cache.clone())  # (clone keeps the strides)
     ref = (k_cache.clone(), v_cache.clone())
     TritonAttention().store_kvcache(k, v, *ours, slots)
     TorchAttention().store_kvcache(k, v, *ref, slots)
@@ -123,7 +129,7 @@ def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cp
 
 
 def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, heads: int, kv_heads: int,
-                  head_dim: int, dtype, device="cpu", kv_dtype=None):
+                  head_dim: int, dtype, device="cpu", kv_dtype=None, v_token_major: bool = False):
     """lens_k None: no history (keys are the fresh k, v). Else sequence s has lens_k[s] cached tokens, the last
     lens_q[s] of them new, read through block tables (an fp8 cache with its scales when kv_dtype is given)."""
     tokens = sum(lens_q)
@@ -138,6 +144,8 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
             k_cache, v_cache, *scales = random_fp8_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, device)
         else:
             k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        if v_token_major:
+            v_cache = token_major(v_cache)
         tables, cu_k, max_k = block_tables_for(lens_k, block_size, num_blocks, device), cu_seqlens(lens_k, device), \
             max(lens_k)
     context = Context(True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
@@ -163,7 +171,7 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
     else:
         k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
     if v_token_major:  # the same values stored [blocks, kv_heads, head_dim, block_size]
-        v_cache = raw(v_cache).permute(0, 2, 3, 1).contiguous().view(v_cache.dtype).permute(0, 3, 1, 2)
+        v_cache = token_major(v_cache)
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
     q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
@@ -225,6 +233,18 @@ def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
     assert_close(out, ref_out, dtype, "add_rms_norm")
 
 
+def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu"):
+    """The small-batch linear kernel (each row layout: one row, a 16-row dot) against F.linear in float32."""
+    from nanovllm.layers.kernels.gemv import gemv
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    out = gemv(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, ref, dtype, f"gemv m={m} n={n} k={k} bias={bias}")
+
+
 def check_race(batch: int, vocab: int, dtype, device="cpu"):
     """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too)."""
     from nanovllm.layers.kernels.race import race
@@ -246,6 +266,14 @@ def test_norm_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 64, 1024, False), (1, 37, 300, True), (3, 64, 1024, True),
+                                        (16, 100, 2048, False)])
+def test_gemv_kernel(m, n, k, bias, dtype):
+    # even shapes (unmasked loads of W) and ragged ones (a partial tile of W rows and of K)
+    check_gemv(m, n, k, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_race_kernel(dtype):
     check_race(4, 9000, dtype)  # more than two vocabulary chunks
 
@@ -263,9 +291,11 @@ def test_silu_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,kv_heads,head_dim", [(16, 2, 64), (32, 1, 128), (256, 3, 64)])
-def test_store(block_size, kv_heads, head_dim, dtype):
-    check_store(block_size, kv_heads, head_dim, dtype)
+@pytest.mark.parametrize("block_size,kv_heads,head_dim,v_token_major", [(16, 2, 64, False), (32, 1, 128, False),
+                                                                       (256, 3, 64, False), (16, 2, 64, True),
+                                                                       (256, 3, 64, True)])
+def test_store(block_size, kv_heads, head_dim, v_token_major, dtype):
+    check_store(block_size, kv_heads, head_dim, dtype, v_token_major=v_token_major)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -296,17 +326,22 @@ def test_decode(block_size, head_dim, group, dtype):
 # some exponent boundaries, e.g. 127.9 -> 64 instead of 128, so the quantizing store is checked on the GPU only).
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_prefill_history(dtype, kv_dtype):
-    check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], 16, heads=4, kv_heads=2, head_dim=64, dtype=dtype,
-                  kv_dtype=kv_dtype)
+@pytest.mark.parametrize("block_size,v_token_major", [(16, False), (16, True), (64, True)])
+def test_fp8_prefill_history(block_size, v_token_major, dtype, kv_dtype):
+    # V token-major as the engine stores an fp8 cache: read through strides (16-token blocks, smaller than a key
+    # tile), or whole tiles unmasked (64)
+    check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], block_size, heads=4, kv_heads=2, head_dim=64,
+                  dtype=dtype, kv_dtype=kv_dtype, v_token_major=v_token_major)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_fp8_decode(num_splits, dtype, kv_dtype):
-    check_decode([1, 600, 0, 37, 130], 16, heads=4, kv_heads=2, head_dim=64, dtype=dtype, num_splits=num_splits,
-                 kv_dtype=kv_dtype)
+@pytest.mark.parametrize("block_size,v_token_major", [(16, False), (128, True)])
+def test_fp8_decode(block_size, v_token_major, num_splits, dtype, kv_dtype):
+    # 128-token blocks, V token-major (the engine's fp8 layout): whole tiles read unmasked
+    check_decode([1, 600, 0, 37, 130], block_size, heads=4, kv_heads=2, head_dim=64, dtype=dtype,
+                 num_splits=num_splits, kv_dtype=kv_dtype, v_token_major=v_token_major)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])

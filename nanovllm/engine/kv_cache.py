@@ -52,7 +52,8 @@ def _blocks_in_free_gpu_memory(runner) -> int:
 
 def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (and, for fp8, one of scales [2, layers,
-    blocks, kv_heads, block_size]); each attention layer gets its K and V views."""
+    blocks, kv_heads, block_size]); each attention layer gets its K and V views. An fp8 V is stored token-major
+    ([blocks, kv_heads, head_dim, block_size] per layer), viewed with K's indexing."""
     cfg = runner.config
     if num_blocks * runner.block_size < cfg.max_model_len:
         raise ValueError(
@@ -60,14 +61,18 @@ def allocate(runner, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None
             f"max_model_len={cfg.max_model_len}: lower max_model_len, or give the cache more room "
             "(num_kvcache_blocks, cpu_kvcache_gb on CPU, gpu_memory_utilization on GPU)")
     layer, dtype = runner.attn_layers[0], cfg.kv_cache_torch_dtype
-    shape = (2, len(runner.attn_layers), num_blocks)
-    kv_cache = torch.empty(*shape, runner.block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype,
-                           device=runner.device)
-    # fp8: scales start at 0, so a slot never written reads as zeros (not NaN) like the memory past a sequence
-    kv_scale = torch.zeros(*shape, layer.num_kv_heads, runner.block_size, dtype=torch.float32,
-                           device=runner.device) if is_fp8(dtype) else None
+    layers, bs, heads, dim = len(runner.attn_layers), runner.block_size, layer.num_kv_heads, layer.head_dim
+    fp8 = is_fp8(dtype)
+    # fp8: zeroed, so bytes never written are finite (the kernels read whole tiles of V past a context and give them
+    # weight 0: NaN garbage would still poison the sum); scales start at 0 for the same reason
+    kv_cache = (torch.zeros if fp8 else torch.empty)(2, layers, num_blocks, bs, heads, dim, dtype=dtype,
+                                                     device=runner.device)
+    kv_scale = torch.zeros(2, layers, num_blocks, heads, bs, dtype=torch.float32, device=runner.device) if fp8 else None
     for i, attn in enumerate(runner.attn_layers):
-        attn.bind(kv_cache[0, i], kv_cache[1, i], *((kv_scale[0, i], kv_scale[1, i]) if kv_scale is not None else ()))
+        v = kv_cache[1, i]
+        if fp8:  # V token-major (layers/attention/fp8.py says why), indexed [blocks, block_size, heads, dim] as K
+            v = v.view(num_blocks, heads, dim, bs).permute(0, 3, 1, 2)
+        attn.bind(kv_cache[0, i], v, *((kv_scale[0, i], kv_scale[1, i]) if fp8 else ()))
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, runner.block_size,
-                num_blocks * block_bytes(runner) / 2**30, cfg.kv_cache_dtype if kv_scale is not None else dtype)
+                num_blocks * block_bytes(runner) / 2**30, cfg.kv_cache_dtype if fp8 else dtype)
     return kv_cache, kv_scale

@@ -38,12 +38,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if bias:
             raise ValueError("LM heads with a bias are not supported")
+        self.matmul = F.linear
+
+    def use_compiled(self, enabled: bool = True):
+        """On CUDA: the logits of a few rows through layers/kernels/gemv.py (as the linear layers)."""
+        if enabled:
+            from nanovllm.layers.kernels.gemv import linear
+            self.matmul = linear
+        else:
+            self.matmul = F.linear
 
     def forward(self, x: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
         indices = None if all_rows else get_context().logits_indices
         if indices is not None:
             x = x[indices]
-        logits = F.linear(x, self.weight)
+        logits = self.matmul(x, self.weight)
         if self.tp_size == 1:
             return logits
         parts = self.tp_group.gather(logits, 0)

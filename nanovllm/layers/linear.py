@@ -23,6 +23,15 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.matmul = F.linear
+
+    def use_compiled(self, enabled: bool = True):
+        """On CUDA: a few 16-bit rows (small-batch decode) through the Triton kernel of layers/kernels/gemv.py."""
+        if enabled:
+            from nanovllm.layers.kernels.gemv import linear
+            self.matmul = linear
+        else:
+            self.matmul = F.linear
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
@@ -43,7 +52,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -53,7 +62,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // get_tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -95,5 +104,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias so that the all-reduce adds it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_group)

@@ -2,8 +2,15 @@
 amax(|x|) / the format's largest value. A per-token-per-head scale needs no calibration data and follows outliers
 token by token (a per-layer scale would be set by the largest K anywhere); it costs 4 bytes per 128-element row,
 3% of the fp8 cache. In the cache the scales of one block are laid out [kv_heads, block_size], so a kernel reads a
-head's scales for consecutive tokens from consecutive addresses. The torch functions here are the reference the
-Triton kernels are tested against."""
+head's scales for consecutive tokens from consecutive addresses.
+
+V is stored token-major: each block as [kv_heads, head_dim, block_size], so a head's consecutive tokens are
+consecutive bytes (K keeps the 16-bit layout, [block_size, kv_heads, head_dim]). The decode kernel's p @ V takes V
+as the matrix operand whose reduction runs over tokens; with 8-bit values Triton can only feed it from a
+token-contiguous layout without byte-by-byte shuffles (with V stored like K the fp8 kernel spilled registers and
+ran at 56% of the copy bandwidth on a bench-like batch; token-major, 80%: docs/benchmarks.md). Every consumer
+indexes V as [blocks, block_size, kv_heads, head_dim] through its strides. The torch functions here are the
+reference the Triton kernels are tested against."""
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -30,6 +37,12 @@ def cache_layout(scale: torch.Tensor) -> torch.Tensor:
 def raw(t: torch.Tensor) -> torch.Tensor:
     """A float8 tensor as bytes (indexing ops need not support float8 on every device); others as they are."""
     return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def token_major(v: torch.Tensor) -> torch.Tensor:
+    """The same V values stored [blocks, kv_heads, head_dim, block_size], returned with the usual [blocks, block_size,
+    kv_heads, head_dim] indexing (tests, benchmarks; the engine allocates its cache so, kv_cache.allocate)."""
+    return raw(v).permute(0, 2, 3, 1).contiguous().view(v.dtype).permute(0, 3, 1, 2)
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

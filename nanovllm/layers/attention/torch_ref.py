@@ -41,7 +41,10 @@ class TorchAttention(AttentionBackend):
                 x, s = quantize(x, cache.dtype)
                 block_size = cache.size(1)
                 x_scale[slots // block_size, :, slots % block_size] = s  # [tokens, kv_heads] into [.., heads, slot]
-            raw(cache).view(-1, *cache.shape[2:])[slots] = raw(x)
+            if cache.is_contiguous():
+                raw(cache).view(-1, *cache.shape[2:])[slots] = raw(x)
+            else:  # an fp8 V, stored token-major
+                raw(cache)[slots // cache.size(1), slots % cache.size(1)] = raw(x)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         out = torch.empty_like(q)

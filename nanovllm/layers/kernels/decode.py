@@ -44,7 +44,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    stride_sb, stride_sh, stride_table,
                    qk_scale, split_tiles,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                   V_TOKEN_MAJOR: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
@@ -76,19 +77,27 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
+        if V_TOKEN_MAJOR:  # the tile lies in one block: its tokens are contiguous there (lets loads vectorize)
+            row = tl.max_contiguous(tl.multiple_of(n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         k = tl.load(k_head_ptr + (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None], other=0.0)
+        if V_TOKEN_MAJOR:  # unmasked along tokens, so it vectorizes: rows past the context lie in the same
+            # block, finite (the cache starts zeroed) and weighted by p = 0
+            v = tl.load(v_head_ptr + block * stride_vb + row[:, None] + offs_d[None, :] * stride_vd)
+        else:
+            v = tl.load(v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd,
+                        mask=mask_n[:, None], other=0.0)
         if QUANT:
             scale_off = block * stride_sb + kv_head * stride_sh + row  # contiguous along the block's tokens
             k_scale = tl.load(k_scale_ptr + scale_off, mask=mask_n, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(v_scale_ptr + scale_off, mask=mask_n, other=0.0)
             k = k.to(q.dtype)  # exact: every fp8 value is a float16
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
-        if QUANT:
-            s = s * k_scale[None, :]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
+        if QUANT:  # one multiply per score: the K scales and the softmax scale (log2 units) together
+            s = s * (k_scale * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
         alpha = tl.exp2(m_i - m_new)
@@ -177,12 +186,12 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     return triton.cdiv(tiles, split_tiles), split_tiles
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool) -> tuple[int, int, int]:
+def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major: bool = True) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
     if quant:  # the fastest on an H200 from batch 16 to 256 (benchmarks/decode_tiles.py; docs/benchmarks.md)
-        return 128, 2, 2
+        return (128, 4, 2) if v_token_major else (128, 2, 2)
     return 64, 4, 3
 
 
@@ -208,6 +217,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or v_cache.stride(1) == 1)  # V: d or token-major
+    assert v_cache.shape == k_cache.shape
     assert num_heads % num_kv_heads == 0 and context_lens.is_contiguous()
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size
@@ -215,7 +225,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     quant = k_scale is not None
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-    block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant)
+    block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1)
     if num_splits is None:
         num_splits, split_tiles = decode_splits(batch, num_kv_heads, max_context_len, block_n, q.device,
                                                 max_split_tokens)
@@ -236,7 +246,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, split_tiles,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        num_warps=warps, num_stages=stages,
+        V_TOKEN_MAJOR=v_cache.stride(1) == 1 and block_size % block_n == 0, num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

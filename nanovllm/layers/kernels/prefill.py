@@ -18,22 +18,29 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr,
-                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, qk_scale,
+                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
                  MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                 V_TOKEN_MAJOR: tl.constexpr):
     """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < n_end  # all true for unmasked tiles; still bounds the block-table reads
     block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, k_start, PAGED, BLOCK_SIZE, BLOCK_N)
     k_ptrs = k_head_ptr + (block * stride_kb + row * stride_kt)[:, None] + offs_d[None, :]
-    v_ptrs = v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :]
+    if V_TOKEN_MAJOR:  # the tile lies in one block, its tokens contiguous there: unmasked, vectorized loads (keys
+        # past the end lie in the same block, finite, and get weight 0; layers/attention/fp8.py)
+        v_row = tl.max_contiguous(tl.multiple_of(n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+        v = tl.load(v_head_ptr + block * stride_vb + v_row[:, None] + offs_d[None, :] * stride_vd)
+    v_ptrs = v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
         k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+        if not V_TOKEN_MAJOR:
+            v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        if not V_TOKEN_MAJOR:
+            v = tl.load(v_ptrs)
     if QUANT:
         scale_off = block * stride_sb + row  # (the head's offset is in the pointers)
         k_scale = tl.load(k_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
@@ -60,11 +67,11 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_s
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_sh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
                     stride_table, qk_scale,
                     GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                    PRECISION: tl.constexpr, QUANT: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     # Heaviest tiles (the last ones of the longest sequences: most keys under the causal mask) start first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -100,13 +107,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
                                      v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_sb, qk_scale,
-                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
+                                     stride_vt, stride_vd, stride_sb, qk_scale,
+                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT, V_TOKEN_MAJOR)
     for n0 in range(full_end, n_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
                                      v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_sb, qk_scale,
-                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT)
+                                     stride_vt, stride_vd, stride_sb, qk_scale,
+                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT, V_TOKEN_MAJOR)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
@@ -148,18 +155,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    assert num_heads % num_kv_heads == 0
     paged = block_tables is not None
-    if paged:
-        assert k.dim() == 4 and k.stride() == v.stride()
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    if not paged and v.stride(-1) != 1:
+        v = v.contiguous()
+    assert num_heads % num_kv_heads == 0
+    if paged:  # (a cache's V may be token-major: read through its strides)
+        assert k.dim() == 4 and v.shape == k.shape and k.stride(-1) == 1
         block_size, table, stride_table = k.size(1), block_tables, block_tables.stride(0)
         stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        stride_vb, stride_vt, stride_vh, stride_vd = v.stride()
     else:
         block_size, table, stride_table = 16, cu_seqlens_q, 0  # table unused
         stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+        stride_vb, stride_vt, stride_vh, stride_vd = 0, v.stride(0), v.stride(1), 1
     quant = paged and k_scale is not None
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
@@ -168,12 +177,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _prefill_kernel[grid](
         q, k, v, k_scale if quant else k, v_scale if quant else v, out, cu_seqlens_q, cu_seqlens_k, table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, stride_table,
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        num_warps=warps, num_stages=stages,
+        V_TOKEN_MAJOR=paged and stride_vt == 1 and block_size % block_n == 0, num_warps=warps, num_stages=stages,
     )
     return out

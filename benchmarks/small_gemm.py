@@ -1,0 +1,90 @@
+"""Linear layers at decode batch sizes: cuBLAS (F.linear) against the Triton kernel of layers/kernels/gemv.py, on
+the Qwen3-0.6B shapes. CUDA-graph replays of one call per weight copy (copies rotated past the 50 MB L2, as 28
+layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
+
+    python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep]
+"""
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from nanovllm.layers.kernels import gemv  # noqa: E402
+
+HBM_GBPS = 4170.0
+# (name, N, K) of Qwen3-0.6B: qkv, o, gate_up, down, lm_head
+SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
+          ("lm_head", 151936, 1024)]
+
+
+def time_graph(fn, calls: int) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls  # us
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--sweep", action="store_true", help="also try other tiles and K splits")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    total = {}
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        copies = max(1, triton.cdiv(256 * 2**20, nbytes))
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = F.linear(x.float(), ws[0].float())
+            out = gemv.gemv(x, ws[0])
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, m, err)
+            choices = [("cublas", None), ("default", None)]
+            if args.sweep:
+                for bn, bk, w, st in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
+                    if bn * bk <= 16384 and (m > 1 or bn <= 16) and (m == 1 or bn >= 16):
+                        choices.append((f"{bn},{bk},{w},{st}", (bn, bk, w, st)))
+            res = []
+            for label, cfg in choices:
+                if label == "cublas":
+                    def fn(x=x, ws=ws):
+                        for w in ws:
+                            F.linear(x, w)
+                else:
+                    def fn(x=x, cfg=cfg, ws=ws):
+                        for w in ws:
+                            gemv.gemv(x, w, config=cfg)
+                try:
+                    us = time_graph(fn, copies)
+                except Exception as e:  # a tile that does not compile
+                    print(f"{name:8s} M={m:2d} {label:16s} {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                res.append((label, us))
+            cublas, default = res[0][1], res[1][1]
+            best = min(res[1:], key=lambda r: r[1])
+            total.setdefault(m, [0.0, 0.0, 0.0])
+            mult = 28 if name != "lm_head" else 1
+            for i, v in enumerate((cublas, default, best[1])):
+                total[m][i] += mult * v
+            gb = lambda us, nbytes=nbytes: nbytes / us / 1e3  # noqa: E731
+            print(f"{name:8s} M={m:2d} cublas {cublas:7.2f} us ({gb(cublas):5.0f} GB/s)  triton default "
+                  f"{default:7.2f} us ({gb(default):5.0f})  best {best[0]} {best[1]:7.2f} us ({gb(best[1]):5.0f}) "
+                  f"cfg={gemv.gemv_config(m, n, k)}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    print("\n== one decode step's linear layers (28 layers + lm_head), us ==")
+    for m, (c, d, b) in total.items():
+        print(f"M={m:2d}: cublas {c:8.1f}  triton default {d:8.1f}  best-per-shape {b:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
