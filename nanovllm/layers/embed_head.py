@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import matmul_fn
 from nanovllm.utils.context import get_context
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.utils.loader import check_weight_shape
@@ -41,12 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.matmul = F.linear
 
     def use_compiled(self, enabled: bool = True):
-        """On CUDA: the logits of a few rows through layers/kernels/gemv.py (as the linear layers)."""
-        if enabled:
-            from nanovllm.layers.kernels.gemv import linear
-            self.matmul = linear
-        else:
-            self.matmul = F.linear
+        self.matmul = matmul_fn(enabled)  # the logits of a few rows: as the linear layers
 
     def forward(self, x: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
         indices = None if all_rows else get_context().logits_indices

@@ -9,6 +9,15 @@ from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, ge
 from nanovllm.utils.loader import check_weight_shape
 
 
+def matmul_fn(small_batch_kernel: bool):
+    """F.linear, or (CUDA runs) F.linear with a few 16-bit rows (small-batch decode) through the Triton kernel of
+    layers/kernels/gemv.py."""
+    if not small_batch_kernel:
+        return F.linear
+    from nanovllm.layers.kernels.gemv import linear
+    return linear
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -26,12 +35,7 @@ class LinearBase(nn.Module):
         self.matmul = F.linear
 
     def use_compiled(self, enabled: bool = True):
-        """On CUDA: a few 16-bit rows (small-batch decode) through the Triton kernel of layers/kernels/gemv.py."""
-        if enabled:
-            from nanovllm.layers.kernels.gemv import linear
-            self.matmul = linear
-        else:
-            self.matmul = F.linear
+        self.matmul = matmul_fn(enabled)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
