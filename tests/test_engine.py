@@ -274,3 +274,21 @@ def test_bfloat16_on_cpu(qwen3_tied):
         largest_difference = max(largest_difference, difference)
         assert tokens[0] == hf_greedy(qwen3_tied, prompt, 1)[0]
     assert largest_difference > 1e-3
+
+
+def test_a_checkpoint_without_a_tokenizer_raises_after_the_background_load(qwen3_tied, tmp_path, monkeypatch):
+    # The tokenizer loads in a thread while the executor builds; its error still reaches the caller, and the
+    # executor it no longer needs is shut down (here: counted)
+    import shutil
+
+    from nanovllm.engine import executor
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{qwen3_tied}/{name}", tmp_path / name)
+    shutdowns = []
+    real = executor.UniprocExecutor.shutdown
+    monkeypatch.setattr(executor.UniprocExecutor, "shutdown", lambda self: (shutdowns.append(1), real(self)))
+    with pytest.raises((OSError, ValueError)):
+        LLM(str(tmp_path))
+    assert shutdowns == [1]
+    llm = LLM(str(tmp_path), load_format="dummy")  # a bare config for benchmarks: no tokenizer, token ids only
+    assert llm.tokenizer is None and "tokenizer (waited for)" in llm.startup

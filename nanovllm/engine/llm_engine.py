@@ -1,6 +1,7 @@
 import atexit
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from time import perf_counter
@@ -64,21 +65,51 @@ def default_sampling_params(model: str) -> SamplingParams:
     return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
 
 
+class _Background:
+    """fn(*args) in a daemon thread; result() waits for it and returns its value or raises its exception."""
+
+    def __init__(self, fn, *args):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="nanovllm-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class LLMEngine:
     """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
     def __init__(self, model: str, **kwargs):
         start = perf_counter()
         self.config = config = Config.from_kwargs(model, **kwargs)
-        try:
-            self.tokenizer = load_tokenizer(config.model)
-        except (OSError, ValueError):
-            if config.load_format != "dummy":
-                raise
-            self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.vocab_size = config.hf_config.vocab_size
-        self.startup = {"config and tokenizer": perf_counter() - start}  # seconds; the runners log theirs
+        self.startup = {"config": perf_counter() - start}  # seconds; the runners log theirs
+        # Importing transformers' tokenizer machinery is seconds of Python on some machines (7.7 s on a lent H200
+        # host, docs/benchmarks.md): it runs while the executor loads weights, warms up and captures graphs.
+        tokenizer = _Background(load_tokenizer, config.model)
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
+        start = perf_counter()
+        try:
+            self.tokenizer = tokenizer.result()
+        except (OSError, ValueError) as e:
+            if config.load_format != "dummy":
+                self.executor.shutdown()
+                raise e
+            self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.startup["tokenizer (waited for)"] = perf_counter() - start
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
         self.default_sampling_params = default_sampling_params(config.model)

@@ -30,9 +30,18 @@ def load_hf_config(model: str):
     return AutoConfig.from_pretrained(resolve_checkpoint(model))
 
 
+# what a checkpoint directory's tokenizer is saved as (fast: tokenizer.json; BPE: vocab.json; SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(model: str):
+    path = resolve_checkpoint(model)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # (transformers 5 would build an empty tokenizer here, one that encodes every text to [])
+        raise OSError(f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files "
+                      "into it, or pass load_format='dummy' to run on token ids only")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_generation_config(model: str) -> dict:
