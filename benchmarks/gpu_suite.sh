@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|tiles_default|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -61,6 +61,11 @@ fi
 if has tiles_default; then  # the engine's decode kernel choices (fp8: V token-major), both cache types
   TAIL=10 step tiles_default 150 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 auto \
     --shapes 256x1024 256xbench 64xbench 16xbench --configs default
+fi
+if has tiles_split; then  # fp8 (V token-major): tiles and split lengths on the bench-like mixes
+  TAIL=10 step tiles_split 240 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype fp8 \
+    --shapes 256x1024 256xbench 128xbench 64xbench --configs default default,512 default,1024 128,2,2 \
+    128,2,2,1024 128,4,3 128,4,3,1024
 fi
 if has tiles_token; then  # fp8 tiles with V token-major, and the default with V stored like K
   C="default 128,2,2 128,4,2 64,4,3 64,2,3 128,4,3 64,4,4 128,8,2 256,4,2 256,8,2"

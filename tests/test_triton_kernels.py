@@ -87,7 +87,8 @@ def test_kernels_compile_for_hopper():
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",
                                                                                                   "v_cache_ptr")}
                             | {n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")} | {"slot_ptr": "*i32"},
-                            dict(BLOCK_SIZE=256, BLOCK_H=8, HEAD_DIM=128, QUANT=kv is not None, FP8_MAX=fp8_max),
+                            dict(BLOCK_SIZE=256, BLOCK_T=16, HEAD_DIM=128, QUANT=kv is not None, FP8_MAX=fp8_max,
+                                 V_TOKEN_MAJOR=kv is not None),
                             num_warps=4)
 
 
