@@ -34,6 +34,7 @@ def _still_exact(llm, path):
     ([[1, 2], [10**6]], ValueError, "outside the vocabulary"),
     ([1, 2, 3], TypeError, "wrap"),
     ([[1.5, 2]], TypeError, "list of int"),
+    ([[1, True]], TypeError, "list of int"),
     ([None], TypeError, "str or a list of int"),
     (42, TypeError, "prompts must be"),
 ])

@@ -232,6 +232,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as token-id lists")
             token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # the usual case, fast
+            token_ids = list(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
                                                        for t in prompt):
             token_ids = [int(t) for t in prompt]  # numpy and torch integers too
@@ -239,8 +241,8 @@ class LLMEngine:
             raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         # (The engine refuses at start a cache of fewer than max_model_len tokens, so such a prompt always fits.)
         max_len = self.config.max_model_len
