@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|tests_quick|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -29,6 +29,10 @@ fi
 if has tests; then
   step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
     --deselect tests/test_moe.py  # (the moe step runs those)
+fi
+if has tests_quick; then  # the kernel checks, the engine on the GPU, structured outputs
+  step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu.py \
+    tests/test_structured.py
 fi
 if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
