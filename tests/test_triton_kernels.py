@@ -245,3 +245,18 @@ def test_gpu_gemv(rows):
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
         check_gemv(rows, n, k, torch.bfloat16, False, device="cuda")
     check_gemv(rows, 1000, 1000, torch.bfloat16, True, device="cuda")
+
+
+def test_decode_split_lengths():
+    # The heuristic's choices (H200 shape, 132 SMs; tables 4,096 tokens wide): short splits at small batch, longer
+    # ones as the batch grows; a 16-bit cache at batch 256 is not split, an fp8 one in splits of 1,024 tokens
+    from nanovllm.layers.kernels.decode import decode_splits
+    cpu = torch.device("cpu")
+
+    def split_tokens(batch, quant):
+        num_splits, split_tiles = decode_splits(batch, 8, 4096, 128 if quant else 64, cpu, quant=quant)
+        return split_tiles * (128 if quant else 64), num_splits
+
+    assert split_tokens(16, False) == (128, 32) and split_tokens(64, False) == (512, 8)
+    assert split_tokens(256, False) == (4096, 1)
+    assert split_tokens(128, True) == (512, 8) and split_tokens(256, True) == (1024, 4)

@@ -91,16 +91,14 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         start = perf_counter()
-        # Importing transformers' tokenizer machinery is seconds of Python on some machines (7.7 s on a lent H200
-        # host, docs/benchmarks.md): it runs while the config is read and the executor loads weights, warms up and
-        # captures graphs. (A GGUF file is converted by Config first, once: not by two threads at a time.)
-        early = isinstance(model, (str, os.PathLike)) and os.path.isdir(model)
-        tokenizer = _Background(load_tokenizer, os.fspath(model)) if early else None
         self.config = config = Config.from_kwargs(model, **kwargs)
-        if tokenizer is None:
-            tokenizer = _Background(load_tokenizer, config.model)
         self.vocab_size = config.hf_config.vocab_size
         self.startup = {"config": perf_counter() - start}  # seconds; the runners log theirs
+        # Importing transformers' AutoTokenizer is seconds of Python on some machines (7.8 s on a lent H200 host:
+        # it imports the generation stack, docs/benchmarks.md): it runs while the executor loads weights, warms up
+        # and captures graphs. (Started after the config: both import transformers modules, and a thread importing
+        # them first makes the other wait on its import locks.)
+        tokenizer = _Background(load_tokenizer, config.model)
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
         start = perf_counter()
         try:

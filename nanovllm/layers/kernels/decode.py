@@ -167,20 +167,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,
-                  max_split_tokens: int | None = None) -> tuple[int, int]:
+                  max_split_tokens: int | None = None, quant: bool = False) -> tuple[int, int]:
     """(num_splits, split_tiles): each (sequence, kv head) is served by programs of split_tiles BLOCK_N tiles, as
     many as its context needs. The split length (a power of two in [MIN_TOKENS_PER_SPLIT, MAX_SPLIT_TOKENS]) gives
     PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
     programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge).
     Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
     layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits.
+    An fp8 cache (quant) reads half the bytes per token, so its programs finish sooner: twice as many per SM, and
+    splits of at most MAX_SPLIT_TOKENS at any batch (bench-like contexts of 200-2048 tokens at batch 256: 196.9 us
+    unsplit, 185.5 with 1,024-token splits; at batch 128 111.2 with 1,024, 105.1 with 512).
     Depends only on shapes and the bound, so a captured CUDA graph stays valid; max_split_tokens overrides the
     length (benchmarks)."""
     if max_split_tokens is None:
-        want = batch * num_kv_heads * TYPICAL_CONTEXT // (PROGRAMS_PER_SM * _sm_count(device))
+        per_sm = PROGRAMS_PER_SM * (2 if quant else 1)
+        want = batch * num_kv_heads * TYPICAL_CONTEXT // (per_sm * _sm_count(device))
         max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
         if max_split_tokens > MAX_SPLIT_TOKENS:
-            max_split_tokens = max_context_len
+            max_split_tokens = MAX_SPLIT_TOKENS if quant else max_context_len
     tiles = triton.cdiv(max(max_context_len, 1), block_n)
     split_tiles = max(triton.cdiv(max_split_tokens, block_n), triton.cdiv(tiles, MAX_SPLITS))
     return triton.cdiv(tiles, split_tiles), split_tiles
@@ -228,7 +232,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1)
     if num_splits is None:
         num_splits, split_tiles = decode_splits(batch, num_kv_heads, max_context_len, block_n, q.device,
-                                                max_split_tokens)
+                                                max_split_tokens, quant)
     else:
         split_tiles = 0  # equal runs
     if num_splits > 1:
