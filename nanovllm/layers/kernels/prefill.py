@@ -4,8 +4,9 @@ Grid: (query tiles of the longest sequence, sequences, heads), tiles in reverse 
 program whose tile starts past its sequence's end returns at once. Each program keeps one [BLOCK_M, head_dim] fp32
 accumulator and walks the key tiles with an online softmax: first the tiles every query row sees in full (no mask),
 then the tiles on the diagonal (causal + length mask); tiles wholly above the diagonal are never visited.
-Keys read from an fp8 cache (QUANT, paged only) are dequantized as in the decode kernel: K widened to q's type
-with the scores scaled per key, V tiles dequantized.
+Keys read from an fp8 cache (QUANT, paged only) are handled as in the decode kernel: with a 16-bit q the dots run
+in float16 (fp8 widens to it exactly, in one instruction), the scores are scaled per key, and the V scales are
+folded into p, the accumulator kept in units of the largest V scale seen.
 """
 import torch
 import triton
@@ -17,12 +18,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr,
-                 table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
+def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
+                 v_scale_head_ptr, table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd,
+                 stride_sb, qk_scale,
                  MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                  V_TOKEN_MAJOR: tl.constexpr):
-    """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units)."""
+    """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units);
+    QUANT: acc in units of v_top, the largest V scale so far (as in the decode kernel)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < n_end  # all true for unmasked tiles; still bounds the block-table reads
@@ -45,11 +48,13 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_s
         scale_off = block * stride_sb + row  # (the head's offset is in the pointers)
         k_scale = tl.load(k_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
         v_scale = tl.load(v_scale_head_ptr + scale_off, mask=mask_n, other=0.0)
-        k = k.to(q.dtype)  # exact: every fp8 value is a 16-bit float
-        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if QUANT:
-        s = s * k_scale[None, :]
+        k = k.to(q.dtype)  # exact: every fp8 value is a float16 (q is float16 here, or float32)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if QUANT:  # one multiply per score: the K scales and the softmax scale (log2 units) together
+        s = s * (k_scale * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -58,8 +63,14 @@ def _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_s
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
+    if QUANT:  # V scales folded into p, in units of the largest so far: p v_scale / v_top <= 1 (float16's range)
+        v_new = tl.maximum(v_top, tl.max(v_scale, 0))
+        acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
+                     input_precision=PRECISION)
+        v_top = v_new
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i, v_top
 
 
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
@@ -92,11 +103,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=mask_m[:, None],
                 other=0.0)
+    if QUANT and q.dtype != tl.float32:  # dots in float16: fp8 widens to it in one instruction (decode.py says more)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     pos_m = len_k - len_q + offs_m  # absolute position of each query; it sees keys <= its position
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    v_top = tl.full([], 1e-30, dtype=tl.float32)  # fp8: acc's unit (unused otherwise)
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
     k_scale_head_ptr = k_scale_ptr + kv_head * stride_sh  # (scales are [blocks, kv_heads, block_size])
@@ -105,15 +119,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
     n_end = len_k - len_q + tl.minimum((tile + 1) * BLOCK_M, len_q)  # one past the last row's last key
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
-                                     v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_vd, stride_sb, qk_scale,
-                                     False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT, V_TOKEN_MAJOR)
+        acc, m_i, l_i, v_top = _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr,
+                                            k_scale_head_ptr, v_scale_head_ptr, table_row_ptr, q_start, stride_kb,
+                                            stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
+                                            False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT,
+                                            V_TOKEN_MAJOR)
     for n0 in range(full_end, n_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
-                                     v_scale_head_ptr, table_row_ptr, q_start, stride_kb, stride_kt, stride_vb,
-                                     stride_vt, stride_vd, stride_sb, qk_scale,
-                                     True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT, V_TOKEN_MAJOR)
+        acc, m_i, l_i, v_top = _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr,
+                                            k_scale_head_ptr, v_scale_head_ptr, table_row_ptr, q_start, stride_kb,
+                                            stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
+                                            True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT,
+                                            V_TOKEN_MAJOR)
+    if QUANT:
+        acc = acc * v_top
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
