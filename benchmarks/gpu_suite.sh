@@ -100,7 +100,7 @@ if has profile; then  # kernel time per step (torch.profiler): decode at several
 fi
 if has profile_fp8; then
   TAIL=24 step profile_fp8 200 python3 benchmarks/profile_step.py --kv-cache-dtype fp8 --cases decode:256:100-1024 \
-    decode:64:100-2048
+    decode:64:100-2048 prefill:8:2048
 fi
 if has dp1; then  # the data-parallel front with one replica is the plain engine: the same throughput
   step bench_dp1 240 python3 bench.py --dp 1 --no-tqdm
