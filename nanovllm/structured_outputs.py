@@ -4,15 +4,22 @@ constrains an answer to a JSON schema, any JSON object, a regex, one of several 
 StructuredOutputsParams is plain data (it travels pickled to data-parallel replicas and comes as a dict from Ray
 rows). GrammarCompiler turns it into an xgrammar grammar, compiled once per distinct spec, and gives every sequence
 (every sample of n) a matcher of its own. xgrammar is an optional dependency (`pip install "nanovllm[structured]"`),
-imported only when a constrained request arrives; the per-step bitmask is layers/logits_processors.py's
-GrammarProcessor."""
+imported only when a constrained request arrives. The per-step host work, advancing the matchers and filling the
+bitmask, runs on several threads (accept_tokens, fill_bitmasks); the bitmask is applied by
+layers/logits_processors.py's GrammarProcessor."""
+import functools
 import json
+import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 INSTALL_HINT = 'structured outputs need xgrammar: pip install "nanovllm[structured]"'
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+T = TypeVar("T")
 
 
 def require_xgrammar():
@@ -173,6 +180,75 @@ class GrammarCompiler:
         return self.xgr.GrammarMatcher(self.compile(params))
 
 
-def accept_tokens(matchers: list, tokens: list[int]) -> list[bool]:
-    """Advance each matcher by its sequence's new token (in one call into xgrammar); False where one is refused."""
-    return require_xgrammar().BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+# ---- the per-step host work: many matchers at once ----------------------------------------------------------
+
+MAX_THREADS = 16  # past this a 256-row step gains little: each thread's chunk gets too small
+
+
+def grammar_threads(device: str) -> int:
+    """Threads for the per-step matcher work, at most MAX_THREADS. With a GPU, the CPUs this process may use: the
+    host has nothing else to do while the device computes the forward pass. On CPU, torch's thread count: the cores
+    the forward pass was given (OMP_NUM_THREADS, or data and tensor parallelism splitting the machine, set it)."""
+    if device == "cpu":
+        import torch
+        available = torch.get_num_threads()
+    else:
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(available, MAX_THREADS))
+
+
+@functools.cache
+def _pool(pid: int, workers: int) -> ThreadPoolExecutor:
+    # keyed by the process too: a forked child inherits the executor but not its threads
+    return ThreadPoolExecutor(workers, thread_name_prefix="nanovllm-grammar")
+
+
+def in_chunks(fn: Callable[[range], T], n: int, threads: int) -> list[T]:
+    """fn over rows [0, n) split into contiguous chunks, one per thread, in parallel: xgrammar releases the GIL
+    inside its calls. The calling thread takes the first chunk; the results come in row order."""
+    if min(threads, n) <= 1:
+        return [fn(range(n))] if n else []
+    size = -(-n // min(threads, n))
+    chunks = [range(start, min(start + size, n)) for start in range(0, n, size)]
+    pool = _pool(os.getpid(), threads - 1)  # one per thread count, whatever the batch size
+    futures = [pool.submit(fn, chunk) for chunk in chunks[1:]]
+    try:
+        first = fn(chunks[0])
+    finally:
+        wait(futures)  # no chunk may still touch the matchers when this returns or raises
+    return [first] + [f.result() for f in futures]
+
+
+def accept_tokens(matchers: list, tokens: list[int], threads: int) -> list[str | None]:
+    """Advance each matcher by its sequence's new token, on several threads. Per row: "stop" where the matcher
+    terminated with it (a stop token where the grammar may end), "error" where it refused it, None otherwise (a
+    matcher that had terminated before is left alone)."""
+    def accept(rows: range) -> list[str | None]:
+        out = []
+        for i in rows:
+            matcher = matchers[i]
+            if matcher.is_terminated():
+                out.append(None)
+            elif not matcher.accept_token(tokens[i]):
+                out.append("error")
+            else:
+                out.append("stop" if matcher.is_terminated() else None)
+        return out
+    return [reason for chunk in in_chunks(accept, len(matchers), threads) for reason in chunk]
+
+
+def fill_bitmasks(matchers: list, bitmask, threads: int) -> bool:
+    """Row i of `bitmask` (int32 [len(matchers), words] on the host) <- the tokens matchers[i] allows next, on
+    several threads; every token where matchers[i] is None or has terminated (a row nobody reads). Returns
+    whether any row was filled from a matcher."""
+    def fill(rows: range) -> bool:
+        filled = False
+        for i in rows:
+            matcher = matchers[i]
+            if matcher is None or matcher.is_terminated():
+                bitmask[i] = -1  # all 32 bits of every word set
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+                filled = True
+        return filled
+    return any(in_chunks(fill, len(matchers), threads))

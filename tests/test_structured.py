@@ -241,6 +241,90 @@ def test_processor_masks_only_the_constrained_rows(reference):
     assert processor.prepare(rows[::2], [True] * 2, None) is None  # no constrained row: no state, no work
 
 
+def test_chunks_run_side_by_side_in_row_order():
+    """in_chunks: every row once, results in row order, the chunks at the same time (a barrier that only opens when
+    all of them wait), and an error raised only once every chunk has finished."""
+    import threading
+
+    from nanovllm.structured_outputs import in_chunks
+
+    for n, threads in [(0, 4), (1, 4), (3, 4), (10, 4), (10, 3), (7, 1)]:
+        assert [i for chunk in in_chunks(list, n, threads) for i in chunk] == list(range(n))
+    barrier = threading.Barrier(4)
+    assert in_chunks(lambda rows: barrier.wait(timeout=30) is not None, 8, 4) == [True] * 4
+    finished = []
+
+    def fails_first(rows):
+        if rows.start == 0:
+            raise RuntimeError("chunk 0")
+        threading.Event().wait(0.05)  # the failing chunk returns first
+        finished.append(rows.start)
+    with pytest.raises(RuntimeError, match="chunk 0"):
+        in_chunks(fails_first, 8, 4)
+    assert sorted(finished) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(reference, threads):
+    """accept_tokens and fill_bitmasks on several threads give what each matcher gives alone."""
+    import torch
+
+    from nanovllm.structured_outputs import accept_tokens, fill_bitmasks
+
+    compiler, vocab = reference
+    grammars = [compiler.compile_regex(r"[0-9]+"), compiler.compile_grammar(PARENS),
+                compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)]
+    rng = random.Random(threads)
+    matchers, twins = zip(*[(xgr.GrammarMatcher(g), xgr.GrammarMatcher(g)) for g in grammars * 4])
+    words = (vocab + 31) // 32
+    alone = xgr.allocate_token_bitmask(1, vocab)
+    for _ in range(12):
+        rows = [i for i, m in enumerate(twins) if not m.is_terminated()]
+        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+        assert fill_bitmasks(list(matchers), bitmask, threads) == bool(rows)
+        tokens = []
+        for i, twin in enumerate(twins):
+            if twin.is_terminated():  # a row nobody reads allows every token
+                assert (bitmask[i] == -1).all()
+                tokens.append(EOS)
+                continue
+            twin.fill_next_token_bitmask(alone)
+            assert torch.equal(bitmask[i], alone[0])
+            allowed = [t for t in range(vocab) if (int(alone[0, t // 32]) >> (t % 32)) & 1]
+            tokens.append(rng.choice(allowed) if rng.random() < 0.9 else rng.randrange(vocab))  # some refused
+        expected = []
+        for twin, token in zip(twins, tokens):
+            if twin.is_terminated():
+                expected.append(None)  # left alone
+            elif not twin.accept_token(token):
+                expected.append("error")
+            else:
+                expected.append("stop" if twin.is_terminated() else None)
+        assert accept_tokens(list(matchers), tokens, threads) == expected
+    assert any(m.is_terminated() for m in matchers)
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    assert not fill_bitmasks([None, next(m for m in matchers if m.is_terminated())], bitmask, threads)
+    assert (bitmask == -1).all()
+
+
+def test_grammar_threads_change_no_output(qwen3_tied):
+    """The engine's matchers advanced and its bitmasks filled on one thread or on four: the same answers."""
+    prompts = _prompts(11, [5, 14, 27, 9, 40, 22])
+    params = [_sp(StructuredOutputsParams(json=SCHEMA), temperature=0.9, seed=1),
+              _sp(max_tokens=25, ignore_eos=True),
+              _sp(StructuredOutputsParams(grammar=PARENS), n=3, temperature=1.0, seed=5),
+              _sp(StructuredOutputsParams(regex=r"[a-z]{3,9}"), temperature=1.0, seed=2),
+              _sp(StructuredOutputsParams(choice=["alpha", "beta"])),
+              _sp(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), temperature=0.7, seed=3)]
+    results = []
+    for threads in (1, 4):
+        engine = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=threads > 1)
+        engine._grammar_threads = engine.executor.runner.sampler.grammar.threads = threads
+        results.append([[(s["token_ids"], s["finish_reason"]) for s in o["outputs"]]
+                        for o in engine.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
+
+
 def test_compiled_once_per_distinct_spec(qwen3_tied):
     engine = LLM(qwen3_tied, kvcache_block_size=16)
     specs = [StructuredOutputsParams(json=dict(SCHEMA)), StructuredOutputsParams(json=json.dumps(SCHEMA)),
