@@ -330,8 +330,8 @@ class LLMEngine:
         constrained = [seq for seq in seqs if seq.grammar is not None]
         if not constrained:
             return
-        reasons = accept_tokens([seq.grammar for seq in constrained], [seq.new_token for seq in constrained],
-                                self._grammar_threads)
+        matchers, tokens = [seq.grammar.matcher for seq in constrained], [seq.new_token for seq in constrained]
+        reasons = accept_tokens(matchers, tokens, self._grammar_threads)
         for seq, reason in zip(constrained, reasons):
             if reason is None:
                 continue

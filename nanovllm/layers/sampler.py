@@ -47,7 +47,7 @@ class Sampler(nn.Module):
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
-        self.grammar = GrammarProcessor(vocab_size, grammar_threads(self.device.type))
+        self.grammar = GrammarProcessor(grammar_threads(self.device.type))
         # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
