@@ -113,6 +113,8 @@ if has rl; then
 fi
 if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks/structured.py --save-tokenizer DIR)
   TAIL=4 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
+  TAIL=12 step grammar_host 180 python3 benchmarks/grammar_host.py --tokenizer "${TOKENIZER:-bench-tokenizer}" \
+    --threads 1 4 8 16  # the host work per 256-row step alone, by thread count
 fi
 # MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
 if has moe || has moe_tests; then

@@ -4,15 +4,22 @@ constrains an answer to a JSON schema, any JSON object, a regex, one of several 
 StructuredOutputsParams is plain data (it travels pickled to data-parallel replicas and comes as a dict from Ray
 rows). GrammarCompiler turns it into an xgrammar grammar, compiled once per distinct spec, and gives every sequence
 (every sample of n) a matcher of its own. xgrammar is an optional dependency (`pip install "nanovllm[structured]"`),
-imported only when a constrained request arrives; the per-step bitmask is layers/logits_processors.py's
-GrammarProcessor."""
+imported only when a constrained request arrives. The per-step host work, advancing the matchers and filling the
+bitmask, runs on several threads (accept_tokens, fill_bitmasks); the bitmask is applied by
+layers/logits_processors.py's GrammarProcessor."""
+import functools
 import json
+import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 INSTALL_HINT = 'structured outputs need xgrammar: pip install "nanovllm[structured]"'
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+T = TypeVar("T")
 
 
 def require_xgrammar():
@@ -122,6 +129,15 @@ def as_structured_outputs(value) -> "StructuredOutputsParams | None":
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
 
+@dataclass
+class SequenceGrammar:
+    """One sequence's constraint (rank 0): its xgrammar matcher, at the sequence's settled tokens, and the width of
+    the vocabulary its bitmask covers (the tokenizer's; the model's ids past it are never allowed)."""
+
+    matcher: object  # xgrammar.GrammarMatcher
+    vocab_size: int
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer; each distinct spec once (the MAX_CACHED most recently
     used are kept). One per engine, made with its first constrained request."""
@@ -130,8 +146,13 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         self.xgr = xgr = require_xgrammar()
-        # The model's vocabulary may be larger than the tokenizer's: the ids past the tokenizer's are never allowed.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # The grammar knows the tokenizer's ids only. The model's vocabulary may be wider (padded); its ids past the
+        # tokenizer's are never allowed, and the processor forbids them with one device op. Told the model's width,
+        # xgrammar would take each padded id for a special token and visit them all for every row at every fill and
+        # accept (102,784 of them for SmolLM2's tokenizer on Qwen3-0.6B's shape: 9/10 of the host work).
+        tokenizer_size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+        self.vocab_size = min(vocab_size, max([tokenizer_size] + [i + 1 for i in stop_token_ids]))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (the cache is ours, keyed by the spec)
         self.compiled: OrderedDict = OrderedDict()
         self.num_compiled = 0
@@ -167,12 +188,83 @@ class GrammarCompiler:
             return compiler.compile_grammar(f"root ::= {options}")
         return compiler.compile_grammar(params.grammar)
 
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher (xgrammar.GrammarMatcher) for one sequence; it allows the stop tokens only where the
-        grammar may end, and terminates when it accepts one."""
-        return self.xgr.GrammarMatcher(self.compile(params))
+    def matcher(self, params: StructuredOutputsParams) -> SequenceGrammar:
+        """A fresh matcher for one sequence; it allows the stop tokens only where the grammar may end, and
+        terminates when it accepts one."""
+        return SequenceGrammar(self.xgr.GrammarMatcher(self.compile(params)), self.vocab_size)
 
 
-def accept_tokens(matchers: list, tokens: list[int]) -> list[bool]:
-    """Advance each matcher by its sequence's new token (in one call into xgrammar); False where one is refused."""
-    return require_xgrammar().BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+# ---- the per-step host work: many matchers at once ----------------------------------------------------------
+
+MAX_THREADS = 16  # past this a 256-row step gains little: each thread's chunk gets too small
+MIN_CHUNK = 16  # rows a thread takes at least: a smaller chunk costs more to hand over than to do
+
+
+def grammar_threads(device: str) -> int:
+    """Threads for the per-step matcher work, at most MAX_THREADS. With a GPU, the CPUs this process may use: the
+    host has nothing else to do while the device computes the forward pass. On CPU, torch's thread count: the cores
+    the forward pass was given (OMP_NUM_THREADS, or data and tensor parallelism splitting the machine, set it)."""
+    if device == "cpu":
+        import torch
+        available = torch.get_num_threads()
+    else:
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(available, MAX_THREADS))
+
+
+@functools.cache
+def _pool(pid: int, workers: int) -> ThreadPoolExecutor:
+    # keyed by the process too: a forked child inherits the executor but not its threads
+    return ThreadPoolExecutor(workers, thread_name_prefix="nanovllm-grammar")
+
+
+def in_chunks(fn: Callable[[range], T], n: int, threads: int) -> list[T]:
+    """fn over rows [0, n) split into contiguous chunks, one per thread (of at least MIN_CHUNK rows), in parallel:
+    xgrammar releases the GIL inside its calls. The calling thread takes the first chunk; the results come in row
+    order."""
+    num_chunks = min(threads, n // MIN_CHUNK)
+    if num_chunks <= 1:
+        return [fn(range(n))] if n else []
+    size = -(-n // num_chunks)
+    chunks = [range(start, min(start + size, n)) for start in range(0, n, size)]
+    pool = _pool(os.getpid(), threads - 1)  # one per thread count, whatever the batch size
+    futures = [pool.submit(fn, chunk) for chunk in chunks[1:]]
+    try:
+        first = fn(chunks[0])
+    finally:
+        wait(futures)  # no chunk may still touch the matchers when this returns or raises
+    return [first] + [f.result() for f in futures]
+
+
+def accept_tokens(matchers: list, tokens: list[int], threads: int) -> list[str | None]:
+    """Advance each matcher by its sequence's new token, on several threads. Per row: "stop" where the matcher
+    terminated with it (a stop token where the grammar may end), "error" where it refused it, None otherwise (a
+    matcher that had terminated before is left alone)."""
+    batch = require_xgrammar().BatchGrammarMatcher
+    live = [i for i, matcher in enumerate(matchers) if not matcher.is_terminated()]
+
+    def accept(rows: range) -> list[bool]:  # one call into xgrammar per chunk: each call takes the GIL back
+        return batch.batch_accept_token([matchers[live[j]] for j in rows], [tokens[live[j]] for j in rows])
+    accepted = [ok for chunk in in_chunks(accept, len(live), threads) for ok in chunk]
+    reasons: list[str | None] = [None] * len(matchers)
+    for i, ok in zip(live, accepted):
+        reasons[i] = "stop" if ok and matchers[i].is_terminated() else None if ok else "error"
+    return reasons
+
+
+def fill_bitmasks(matchers: list, bitmask, threads: int) -> bool:
+    """Row i of `bitmask` (int32 [len(matchers), words] on the host) <- the tokens matchers[i] allows next, on
+    several threads; every token where matchers[i] is None or has terminated (a row nobody reads). Returns
+    whether any row was filled from a matcher."""
+    xgr = require_xgrammar()
+    live, dead = [], []
+    for i, matcher in enumerate(matchers):
+        (dead if matcher is None or matcher.is_terminated() else live).append(i)
+    if dead:
+        bitmask[dead] = -1  # all 32 bits of every word set
+
+    def fill(rows: range):  # one call into xgrammar per chunk, as above
+        indices = [live[j] for j in rows]
+        xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask([matchers[i] for i in indices], bitmask, indices)
+    in_chunks(fill, len(live), threads)
+    return bool(live)

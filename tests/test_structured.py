@@ -2,6 +2,7 @@
 batches, n > 1, streaming, preemption, async scheduling, bad specs, and the bundled model answering in JSON."""
 import importlib.util
 import json
+import os
 import pickle
 import random
 import re
@@ -217,28 +218,151 @@ def test_processor_masks_only_the_constrained_rows(reference):
     import torch
 
     from nanovllm.layers.logits_processors import GrammarProcessor
+    from nanovllm.structured_outputs import SequenceGrammar
 
     compiler, vocab = reference
     grammars = {1: compiler.compile_regex(r"[0-9]+"), 3: compiler.compile_grammar(PARENS)}
 
     class Row:  # what the processor reads of a sequence
         def __init__(self, i):
-            self.grammar = xgr.GrammarMatcher(grammars[i]) if i in grammars else None
+            self.grammar = SequenceGrammar(xgr.GrammarMatcher(grammars[i]), vocab) if i in grammars else None
             self.is_finished = False
 
     rows = [Row(i) for i in range(4)]
-    processor = GrammarProcessor(vocab)
+    processor = GrammarProcessor(threads=2)
     state = processor.prepare(rows, [True] * 4, lambda data, dtype: torch.tensor(data, dtype=dtype))
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    padded = vocab + 45  # the model's vocabulary padded past the tokenizer's: those ids are never allowed
+    logits = torch.randn(4, padded, generator=torch.Generator().manual_seed(0))
     masked = processor.apply(logits.clone(), state)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     for i, compiled in grammars.items():
         bitmask = xgr.allocate_token_bitmask(1, vocab)
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
-        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+        allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] + [0] * 45,
+                               dtype=torch.bool)
         assert 0 < allowed.sum() < vocab
         assert torch.equal(masked[i][allowed], logits[i][allowed]) and torch.isinf(masked[i][~allowed]).all()
+    every = processor.prepare(rows[1::2], [True] * 2, lambda data, dtype: torch.tensor(data, dtype=dtype))
+    assert torch.equal(processor.apply(logits[1::2].clone(), every), masked[1::2])  # all rows constrained
     assert processor.prepare(rows[::2], [True] * 2, None) is None  # no constrained row: no state, no work
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_model_vocabulary_padded_past_the_tokenizer(qwen3_tied, reference, tmp_path, device):
+    """A model whose vocabulary is wider than its tokenizer's (random weights): the grammar covers the tokenizer's
+    ids and no constrained answer ever takes a padded id."""
+    import shutil
+
+    compiler, vocab = reference
+    for name in os.listdir(qwen3_tied):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(qwen3_tied, name), tmp_path)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab + 300
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with LLM(str(tmp_path), load_format="dummy", kvcache_block_size=16, device=device, max_model_len=512,
+             num_kvcache_blocks=64) as engine:
+        spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+        params = [_sp(spec, temperature=1.0, seed=i, max_tokens=30) for i in range(4)]
+        free = engine.generate(_prompts(12, [5, 9]), _sp(temperature=1.0, seed=0, max_tokens=30, ignore_eos=True),
+                               use_tqdm=False)
+        outs = engine.generate(_prompts(12, [5, 9, 13, 20]), params, use_tqdm=False)
+        assert engine._grammars.vocab_size == vocab
+    assert any(t >= vocab for o in free for t in o["token_ids"])  # what the padded ids would get unmasked
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    for out in outs:
+        assert max(out["token_ids"]) < vocab
+        _assert_allowed(reference, compiled, out["token_ids"], out["finish_reason"])
+
+
+def test_chunks_run_side_by_side_in_row_order():
+    """in_chunks: every row once, results in row order, the chunks at the same time (a barrier that only opens when
+    all of them wait), and an error raised only once every chunk has finished."""
+    import threading
+
+    from nanovllm.structured_outputs import MIN_CHUNK, in_chunks
+
+    for n, threads in [(0, 4), (1, 4), (MIN_CHUNK * 2 - 1, 4), (MIN_CHUNK * 5 + 3, 4), (MIN_CHUNK * 3, 3), (99, 1)]:
+        chunks = in_chunks(list, n, threads)
+        assert [i for chunk in chunks for i in chunk] == list(range(n))
+        assert len(chunks) == max(1, min(threads, n // MIN_CHUNK)) if n else chunks == []
+        assert all(len(chunk) >= MIN_CHUNK for chunk in chunks[:-1])
+    barrier = threading.Barrier(4)
+    assert in_chunks(lambda rows: barrier.wait(timeout=30) is not None, 4 * MIN_CHUNK, 4) == [True] * 4
+    finished = []
+
+    def fails_first(rows):
+        if rows.start == 0:
+            raise RuntimeError("chunk 0")
+        threading.Event().wait(0.05)  # the failing chunk returns first
+        finished.append(rows.start)
+    with pytest.raises(RuntimeError, match="chunk 0"):
+        in_chunks(fails_first, 4 * MIN_CHUNK, 4)
+    assert sorted(finished) == [MIN_CHUNK, 2 * MIN_CHUNK, 3 * MIN_CHUNK]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(reference, threads):
+    """accept_tokens and fill_bitmasks on several threads give what each matcher gives alone."""
+    import torch
+
+    from nanovllm.structured_outputs import accept_tokens, fill_bitmasks
+
+    compiler, vocab = reference
+    grammars = [compiler.compile_regex(r"[0-9]+"), compiler.compile_grammar(PARENS),
+                compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)]
+    rng = random.Random(threads)
+    matchers, twins = zip(*[(xgr.GrammarMatcher(g), xgr.GrammarMatcher(g)) for g in grammars * 20])  # 3+ chunks
+    words = (vocab + 31) // 32
+    alone = xgr.allocate_token_bitmask(1, vocab)
+    for _ in range(12):
+        rows = [i for i, m in enumerate(twins) if not m.is_terminated()]
+        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+        assert fill_bitmasks(list(matchers), bitmask, threads) == bool(rows)
+        tokens = []
+        for i, twin in enumerate(twins):
+            if twin.is_terminated():  # a row nobody reads allows every token
+                assert (bitmask[i] == -1).all()
+                tokens.append(EOS)
+                continue
+            twin.fill_next_token_bitmask(alone)
+            assert torch.equal(bitmask[i], alone[0])
+            allowed = [t for t in range(vocab) if (int(alone[0, t // 32]) >> (t % 32)) & 1]
+            tokens.append(rng.choice(allowed) if rng.random() < 0.9 else rng.randrange(vocab))  # some refused
+        expected = []
+        for twin, token in zip(twins, tokens):
+            if twin.is_terminated():
+                expected.append(None)  # left alone
+            elif not twin.accept_token(token):
+                expected.append("error")
+            else:
+                expected.append("stop" if twin.is_terminated() else None)
+        assert accept_tokens(list(matchers), tokens, threads) == expected
+    assert any(m.is_terminated() for m in matchers)
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    assert not fill_bitmasks([None, next(m for m in matchers if m.is_terminated())], bitmask, threads)
+    assert (bitmask == -1).all()
+
+
+def test_grammar_threads_change_no_output(qwen3_tied):
+    """The engine's matchers advanced and its bitmasks filled on one thread or on four (61 rows: several chunks):
+    the same answers."""
+    prompts = _prompts(11, [5, 14, 27, 9, 40, 22])
+    params = [_sp(StructuredOutputsParams(json=SCHEMA), n=12, temperature=0.9, seed=1),
+              _sp(max_tokens=25, ignore_eos=True),
+              _sp(StructuredOutputsParams(grammar=PARENS), n=12, temperature=1.0, seed=5),
+              _sp(StructuredOutputsParams(regex=r"[a-z]{3,9}"), n=12, temperature=1.0, seed=2),
+              _sp(StructuredOutputsParams(choice=["alpha", "beta"]), n=12, temperature=1.0, seed=4),
+              _sp(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), n=12, temperature=0.7, seed=3)]
+    results = []
+    for threads in (1, 4):
+        engine = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=threads > 1)
+        engine._grammar_threads = engine.executor.runner.sampler.grammar.threads = threads
+        results.append([[(s["token_ids"], s["finish_reason"]) for s in o["outputs"]]
+                        for o in engine.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
 
 
 def test_compiled_once_per_distinct_spec(qwen3_tied):

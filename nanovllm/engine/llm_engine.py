@@ -15,7 +15,7 @@ from nanovllm.engine.executor import Executor, UniprocExecutor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_outputs import GrammarCompiler, accept_tokens
+from nanovllm.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.utils.loader import load_generation_config, load_tokenizer
 
 logger = logging.getLogger("nanovllm")
@@ -120,6 +120,7 @@ class LLMEngine:
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
         self._weights_discarded = False  # sleep(level=2) until update_weights
         self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
+        self._grammar_threads = grammar_threads(config.device)  # that advance the matchers
         atexit.register(self.exit)
 
     def exit(self):
@@ -361,19 +362,17 @@ class LLMEngine:
     def _advance_grammars(self, seqs: list[Sequence]):
         """Structured outputs: each matcher takes its sequence's new token. A matcher that terminates (it accepted a
         stop token where its grammar may end) finishes its request with "stop", even with ignore_eos."""
-        constrained = [seq for seq in seqs if seq.grammar is not None and not seq.grammar.is_terminated()]
+        constrained = [seq for seq in seqs if seq.grammar is not None]
         if not constrained:
             return
-        accepted = accept_tokens([seq.grammar for seq in constrained], [seq.new_token for seq in constrained])
-        for seq, ok in zip(constrained, accepted):
-            if not ok:  # the mask makes this unreachable; should it happen, the answer cannot go on
+        matchers, tokens = [seq.grammar.matcher for seq in constrained], [seq.new_token for seq in constrained]
+        reasons = accept_tokens(matchers, tokens, self._grammar_threads)
+        for seq, reason in zip(constrained, reasons):
+            if reason is None:
+                continue
+            if reason == "error":  # the mask makes this unreachable; should it happen, the answer cannot go on
                 logger.warning("sequence %d: its grammar refused token %d; the request ends (finish_reason 'error')",
                                seq.seq_id, seq.new_token)
-                reason = "error"
-            elif seq.grammar.is_terminated():
-                reason = "stop"
-            else:
-                continue
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
             seq.finish_reason = reason

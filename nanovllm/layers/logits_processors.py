@@ -130,17 +130,16 @@ class GrammarState:
 
 
 class GrammarProcessor(LogitsProcessor):
-    """Structured outputs: each constrained row's matcher (`seq.grammar`, an xgrammar GrammarMatcher, advanced by the
-    engine as tokens settle) fills its row of a token bitmask, and the tokens its grammar does not allow next get
-    -inf. The bitmask is filled in `apply`, when the forward pass is already queued, so on a GPU the host fills it
-    while the device computes; it is filled in pinned memory and copied without blocking. Unconstrained rows are
-    neither filled nor copied nor masked."""
+    """Structured outputs: each constrained row's matcher (`seq.grammar.matcher`, an xgrammar GrammarMatcher advanced
+    by the engine as tokens settle) fills its row of a token bitmask, and the tokens its grammar does not allow next
+    get -inf, as do the model's ids past the tokenizer's. The bitmask is filled in `apply`, when the forward pass is
+    already queued, so on a GPU the host fills it while the device computes; the rows are filled on several threads,
+    in pinned memory, and copied without blocking. Unconstrained rows are neither filled nor copied nor masked."""
 
     is_constraint = True
 
-    def __init__(self, vocab_size: int):
-        self.words = (vocab_size + 31) // 32  # the bitmask: one bit per vocabulary id, 32 per int32
-        self.batch_matcher = None  # xgrammar's threaded bitmask filler, made with the first constrained row
+    def __init__(self, threads: int = 1):
+        self.threads = threads  # that fill the bitmask (structured_outputs.grammar_threads)
 
     def prepare(self, seqs, sampled, to_device):
         rows = [i for i, (seq, keep) in enumerate(zip(seqs, sampled))
@@ -148,25 +147,28 @@ class GrammarProcessor(LogitsProcessor):
         return GrammarState(rows, [seqs[i] for i in rows], to_device) if rows else None
 
     def apply(self, logits, state):
-        from nanovllm.structured_outputs import require_xgrammar
+        from nanovllm.structured_outputs import fill_bitmasks, require_xgrammar
         xgr = require_xgrammar()
         # A sequence that ended after this step was prepared (async scheduling settles the step before while this
-        # one runs) samples a token nobody reads: it needs no mask, and its matcher has none to give.
-        live = [(row, seq.grammar) for row, seq in zip(state.rows, state.seqs)
-                if not seq.is_finished and not seq.grammar.is_terminated()]
-        if not live:
+        # one runs) samples a token nobody reads: its row allows every token (its matcher has no mask to give).
+        matchers = [None if seq.is_finished else seq.grammar.matcher for seq in state.seqs]
+        vocab = state.seqs[0].grammar.vocab_size  # the tokenizer's, the same for every sequence of an engine
+        host = torch.empty((len(matchers), (vocab + 31) // 32), dtype=torch.int32, pin_memory=logits.is_cuda)
+        if not fill_bitmasks(matchers, host, self.threads):
             return logits
-        rows, matchers = zip(*live)
-        if self.batch_matcher is None:
-            self.batch_matcher = xgr.BatchGrammarMatcher()
-        host = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=logits.is_cuda)
-        self.batch_matcher.batch_fill_next_token_bitmask(list(matchers), host)
         bitmask = host.to(logits.device, non_blocking=True)
         indices = None
-        if len(rows) < logits.size(0):  # xgrammar indexes the bitmask and the logits with the same row ids
-            indices = state.to_device(list(rows), torch.int32)
-            full = torch.empty((logits.size(0), self.words), dtype=torch.int32, device=logits.device)
+        if len(state.rows) < logits.size(0):  # xgrammar indexes the bitmask and the logits with the same row ids
+            indices = state.to_device(state.rows, torch.int32)
+            full = torch.empty((logits.size(0), bitmask.size(1)), dtype=torch.int32, device=logits.device)
             full[indices.long()] = bitmask
             bitmask = full
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.size(1), indices=indices)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
+        if vocab < logits.size(1):  # the model's ids past the tokenizer's, in place (a view)
+            with torch.inference_mode():  # float32 logits can be the model's own output, an inference tensor
+                padding = logits[:, vocab:]
+                if indices is None:
+                    padding.fill_(float("-inf"))
+                else:
+                    padding.index_fill_(0, indices.long(), float("-inf"))
         return logits

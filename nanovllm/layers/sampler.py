@@ -12,6 +12,7 @@ from nanovllm.layers.logits_processors import (
     PenaltiesProcessor,
 )
 from nanovllm.sampling_params import sample_seed
+from nanovllm.structured_outputs import grammar_threads
 from nanovllm.utils.context import ToDevice
 
 
@@ -46,7 +47,7 @@ class Sampler(nn.Module):
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
-        self.grammar = GrammarProcessor(vocab_size)
+        self.grammar = GrammarProcessor(grammar_threads(self.device.type))
         # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
