@@ -125,7 +125,9 @@ GPU_DTYPES = [torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_store(block_size, dtype):
     from tests.triton_kernel_checks import check_store
-    check_store(block_size, 8, 128, dtype, device="cuda")
+    for runs in (False, True):
+        check_store(block_size, 8, 128, dtype, device="cuda", runs=runs)
+        check_store(block_size, 8, 128, dtype, device="cuda", v_token_major=True, runs=runs)
 
 
 @pytest.mark.gpu
@@ -169,7 +171,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_store_fp8(block_size, kv_dtype):
     from tests.triton_kernel_checks import check_store_fp8
-    check_store_fp8(block_size, 8, 128, torch.bfloat16, kv_dtype, device="cuda")
+    for runs in (False, True):  # scattered slots, and prefill-like runs (the kernel's contiguous path)
+        check_store_fp8(block_size, 8, 128, torch.bfloat16, kv_dtype, device="cuda", runs=runs)
 
 
 @pytest.mark.gpu

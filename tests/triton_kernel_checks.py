@@ -83,14 +83,13 @@ def reference(fn, *tensors_and_rest):
 
 
 def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dtype, device="cuda",
-                    v_token_major: bool = True):
+                    v_token_major: bool = True, runs: bool = False):
     """The quantizing store against the torch one: the same scales, and values within one fp8 step (the GPU's
     float division may differ from torch's in the last bit, which can move a value across a rounding boundary)."""
-    num_blocks, tokens = 6, 11
+    num_blocks = 8
+    tokens, slots = slots_for(num_blocks, block_size, runs)
     _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
     k.mul_(torch.exp(torch.randn(tokens, kv_heads, 1, device=device)).to(dtype))  # rows of varied magnitude
-    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
-    slots[[1, 4, 10]] = -1
     slots = slots.to(device)
     caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype, device=device) for _ in "kv"]
               + [torch.zeros(num_blocks, kv_heads, block_size, device=device) for _ in "kv"] for _ in range(2)]
@@ -108,14 +107,29 @@ def check_store_fp8(block_size: int, kv_heads: int, head_dim: int, dtype, kv_dty
         assert ((a - b).abs() <= step * b.abs() + 1e-6).all(), "store fp8: values more than one step apart"
 
 
-def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu", v_token_major: bool = False):
-    num_blocks, tokens = 6, 11
+def slots_for(num_blocks: int, block_size: int, runs: bool) -> tuple[int, torch.Tensor]:
+    """(tokens, slot_mapping with some -1) into num_blocks >= 8 blocks of block_size >= 16: scattered slots (a decode
+    step), or runs of consecutive slots as a prefill writes them: one crossing a block edge, one of two blocks' worth
+    at a block start (a whole group of the store kernel's 16 tokens in one run), one with a skipped token."""
+    if not runs:
+        slots = torch.randperm(num_blocks * block_size)[:11].to(torch.int32)
+        slots[[1, 4, 10]] = -1
+        return 11, slots
+    edge = block_size * 2 - 7
+    slots = torch.cat([torch.arange(edge, edge + 21), torch.arange(3 * block_size, 3 * block_size + 32),
+                       torch.arange(5 * block_size, 5 * block_size + 18)]).to(torch.int32)
+    slots[21 + 32 + 5] = -1
+    return len(slots), slots
+
+
+def check_store(block_size: int, kv_heads: int, head_dim: int, dtype, device="cpu", v_token_major: bool = False,
+                runs: bool = False):
+    num_blocks = 8
     k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
     if v_token_major:
         v_cache = token_major(v_cache)
+    tokens, slots = slots_for(num_blocks, block_size, runs)
     _, k, v = qkv_views(tokens, 1, kv_heads, head_dim, dtype, device)
-    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
-    slots[[1, 4, 10]] = -1
     slots = slots.to(device)
     ours = (k_cache.clone(), v_cache.clone())  # (clone keeps the strides)
     ref = (k_cache.clone(), v_cache.clone())
@@ -294,8 +308,9 @@ def test_silu_kernel(dtype):
 @pytest.mark.parametrize("block_size,kv_heads,head_dim,v_token_major", [(16, 2, 64, False), (32, 1, 128, False),
                                                                        (256, 3, 64, False), (16, 2, 64, True),
                                                                        (256, 3, 64, True)])
-def test_store(block_size, kv_heads, head_dim, v_token_major, dtype):
-    check_store(block_size, kv_heads, head_dim, dtype, v_token_major=v_token_major)
+@pytest.mark.parametrize("runs", [False, True])
+def test_store(block_size, kv_heads, head_dim, v_token_major, runs, dtype):
+    check_store(block_size, kv_heads, head_dim, dtype, v_token_major=v_token_major, runs=runs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,10 +1,11 @@
 """Write new K/V rows into the paged cache. With an fp8 cache each (token, head) row is quantized with its own
 scale, amax / the format's largest value, and V is stored token-major (layers/attention/fp8.py).
 
-Grid: (groups of BLOCK_T consecutive tokens of the step, kv heads). A token-major V is written as a
-[head_dim, BLOCK_T] tile whose threads run along the tokens: a prefill's consecutive tokens land in consecutive
-bytes of one block, so a warp's stores share memory sectors (one program per token wrote one byte per sector: a
-16k-token prefill step took about 9 ms longer with fp8 than with bf16 on an H200)."""
+Grid: (groups of BLOCK_T consecutive tokens of the step, kv heads). When a group's slots are one run inside one
+block (a prefill's tokens), a token-major V is written as a [head_dim, BLOCK_T] tile addressed as base + arange
+along the tokens, so a warp's byte stores fill shared memory sectors; with scattered slots (decode) each byte is
+its own store. (Written byte by byte, the fp8 store took 272 us per layer of a 16k-token prefill on an H200, 17%
+of the step: docs/benchmarks.md.)"""
 import torch
 import triton
 import triton.language as tl
@@ -45,14 +46,31 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v
     tl.store(k_cache_ptr + (block * stride_cb + offset * stride_cs + head * stride_ch)[:, None] + offs_d[None, :],
              k, mask=keep[:, None])
     v_row = block * stride_vcb + offset * stride_vcs + head * stride_vch  # [BLOCK_T]
-    if V_TOKEN_MAJOR:  # [HEAD_DIM, BLOCK_T], the tokens fastest: consecutive slots are consecutive bytes
-        tl.store(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd, tl.trans(v), mask=keep[None, :])
+    scale_dst = block * stride_sb + head * stride_sh + offset
+    # A run of BLOCK_T consecutive slots in one block (a prefill's tokens): addressed as base + arange, so Triton
+    # knows the tokens are contiguous and lays the stores out along them (a token-major V's bytes, the scales).
+    slot0 = tl.load(slot_ptr + tl.program_id(0) * BLOCK_T)  # (the first token always exists)
+    run = tl.arange(0, BLOCK_T)
+    consecutive = (tl.sum((slots == slot0 + run).to(tl.int32), 0) == BLOCK_T) & (slot0 % BLOCK_SIZE + BLOCK_T <=
+                                                                               BLOCK_SIZE) & (slot0 >= 0)
+    if consecutive:
+        base0 = (slot0 // BLOCK_SIZE).to(tl.int64) * stride_vcb + (slot0 % BLOCK_SIZE) * stride_vcs + head * stride_vch
+        if V_TOKEN_MAJOR:
+            tl.store(v_cache_ptr + base0 + offs_d[:, None] * stride_vcd + run[None, :], tl.trans(v))
+        else:
+            tl.store(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd, v)
+        if QUANT:
+            s0 = (slot0 // BLOCK_SIZE).to(tl.int64) * stride_sb + head * stride_sh + slot0 % BLOCK_SIZE
+            tl.store(k_scale_ptr + s0 + run, k_scale)
+            tl.store(v_scale_ptr + s0 + run, v_scale)
     else:
-        tl.store(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd, v, mask=keep[:, None])
-    if QUANT:
-        scale_dst = block * stride_sb + head * stride_sh + offset  # consecutive slots: consecutive floats
-        tl.store(k_scale_ptr + scale_dst, k_scale, mask=keep)
-        tl.store(v_scale_ptr + scale_dst, v_scale, mask=keep)
+        if V_TOKEN_MAJOR:
+            tl.store(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd, tl.trans(v), mask=keep[None, :])
+        else:
+            tl.store(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd, v, mask=keep[:, None])
+        if QUANT:
+            tl.store(k_scale_ptr + scale_dst, k_scale, mask=keep)
+            tl.store(v_scale_ptr + scale_dst, v_scale, mask=keep)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
