@@ -112,7 +112,7 @@ if has rl; then
   TAIL=8 step rl_eval 420 python3 benchmarks/rl_eval.py
 fi
 if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks/structured.py --save-tokenizer DIR)
-  TAIL=4 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
+  TAIL=7 step structured 420 python3 benchmarks/structured.py --tokenizer "${TOKENIZER:-bench-tokenizer}" --mixed
   TAIL=12 step grammar_host 180 python3 benchmarks/grammar_host.py --tokenizer "${TOKENIZER:-bench-tokenizer}" \
     --threads 1 4 8 16  # the host work per 256-row step alone, by thread count
 fi

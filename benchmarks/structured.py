@@ -97,6 +97,8 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=2, help="runs of each mode, alternating; the fastest counts")
+    p.add_argument("--mixed", action="store_true",
+                   help="also: every other request constrained, against each half alone (what free rows cost)")
     args = p.parse_args()
     if args.save_tokenizer:
         bundled_tokenizer().save_pretrained(args.save_tokenizer)
@@ -156,6 +158,17 @@ def main():
               f"{total / best['unconstrained']:,.0f} tok/s (the same lengths, ignore_eos)")
         print(f"constrained / unconstrained = {best['unconstrained'] / best['constrained']:.2f} (async_scheduling="
               f"{llm.config.async_scheduling}, device {llm.config.device}, best of {args.repeat})")
+        if args.mixed:  # the grammar's host work must not grow with the free rows of a batch
+            mixed = [constrained if i % 2 == 0 else free[i] for i in range(len(prompts))]
+            halves = {"mixed": (prompts, mixed), "constrained half": (prompts[::2], constrained),
+                      "free half": (prompts[1::2], free[1::2])}
+            for name, (ps, sps) in halves.items():
+                for key in grammar_seconds:
+                    grammar_seconds[key] = 0.0
+                wall = min(run(llm, ps, sps)[0] for _ in range(args.repeat))
+                bitmask, advance = (grammar_seconds[k] / args.repeat for k in ("bitmask", "advance"))
+                print(f"{name:17s} {len(ps)} requests: {wall:.2f}s; host time per run in bitmasks {bitmask:.3f}s, "
+                      f"advancing {advance:.3f}s")
         llm.exit()
     finally:
         if scratch:
