@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = "tests/triton_kernel_checks.py"
@@ -263,3 +264,21 @@ def test_decode_split_lengths():
     assert split_tokens(16, False) == (128, 32) and split_tokens(64, False) == (512, 8)
     assert split_tokens(256, False) == (4096, 1)
     assert split_tokens(128, True) == (512, 8) and split_tokens(256, True) == (1024, 4)
+
+
+def test_small_batch_linear_dispatch(monkeypatch):
+    # The CUDA runner's linear layers: 1-16 rows of a 16-bit model through the Triton kernel, everything else (more
+    # rows, float32, strided rows) through F.linear, with the same result either way
+    from nanovllm.layers.kernels import gemv
+    calls = []
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: (calls.append(x.shape[0]), F.linear(x, w, b))[1])
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    for rows, dtype, strided, expect in ((1, torch.bfloat16, False, True), (16, torch.float16, False, True),
+                                         (17, torch.bfloat16, False, False), (4, torch.float32, False, False),
+                                         (4, torch.bfloat16, True, False)):
+        calls.clear()
+        x = torch.randn(rows, 64 if strided else 32).to(dtype)
+        x = x[:, ::2] if strided else x
+        y = gemv.linear(x, w.to(dtype))
+        assert bool(calls) == expect, (rows, dtype, strided)
+        torch.testing.assert_close(y, F.linear(x, w.to(dtype)))
