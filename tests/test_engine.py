@@ -276,19 +276,28 @@ def test_bfloat16_on_cpu(qwen3_tied):
     assert largest_difference > 1e-3
 
 
-def test_a_checkpoint_without_a_tokenizer_raises_after_the_background_load(qwen3_tied, tmp_path, monkeypatch):
-    # The tokenizer loads in a thread while the executor builds; its error still reaches the caller, and the
-    # executor it no longer needs is shut down (here: counted)
+def test_a_checkpoint_without_a_tokenizer_is_refused_before_the_weights_load(qwen3_tied, tmp_path, monkeypatch):
+    # No vocabulary file: refused at once (transformers 5 would build an empty tokenizer), nothing built; a corrupt
+    # one fails in the background thread that loads the tokenizer while the executor builds: its error reaches the
+    # caller and the executor it no longer needs is shut down (counted here)
     import shutil
 
     from nanovllm.engine import executor
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{qwen3_tied}/{name}", tmp_path / name)
-    shutdowns = []
-    real = executor.UniprocExecutor.shutdown
-    monkeypatch.setattr(executor.UniprocExecutor, "shutdown", lambda self: (shutdowns.append(1), real(self)))
-    with pytest.raises((OSError, ValueError)):
+    built, shutdowns = [], []
+    real_init, real_shutdown = executor.UniprocExecutor.__init__, executor.UniprocExecutor.shutdown
+    monkeypatch.setattr(executor.UniprocExecutor, "__init__",
+                        lambda self, *a: (built.append(1), real_init(self, *a))[1])
+    monkeypatch.setattr(executor.UniprocExecutor, "shutdown", lambda self: (shutdowns.append(1), real_shutdown(self)))
+    with pytest.raises(OSError, match="has no tokenizer"):
         LLM(str(tmp_path))
-    assert shutdowns == [1]
+    assert built == [] and shutdowns == []
     llm = LLM(str(tmp_path), load_format="dummy")  # a bare config for benchmarks: no tokenizer, token ids only
     assert llm.tokenizer is None and "tokenizer (waited for)" in llm.startup
+    llm.exit()
+    shutdowns.clear()
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(Exception):  # noqa: B017 (whatever transformers raises for it)
+        LLM(str(tmp_path))
+    assert shutdowns == [1]

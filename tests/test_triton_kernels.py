@@ -264,6 +264,8 @@ def test_decode_split_lengths():
     assert split_tokens(16, False) == (128, 32) and split_tokens(64, False) == (512, 8)
     assert split_tokens(256, False) == (4096, 1)
     assert split_tokens(128, True) == (512, 8) and split_tokens(256, True) == (1024, 4)
+    # fp8 with a long bound at large batch: no dozens of mostly empty splits, one per sequence as for 16-bit
+    assert decode_splits(512, 8, 131072, 128, cpu, quant=True) == (1, 1024)
 
 
 def test_small_batch_linear_dispatch(monkeypatch):

@@ -10,6 +10,7 @@ from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, token_
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
+from nanovllm.layers.kernels.prefill import prefill_attention
 from nanovllm.utils.context import Context
 
 
@@ -371,6 +372,28 @@ def test_decode_split_tokens(max_split_tokens):
     # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits
     check_decode([1, 600, 0, 32, 33, 257], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
                  max_split_tokens=max_split_tokens)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_and_decode_16bit_token_major_v_past_the_context_is_never_read(block_size, dtype):
+    # Only an fp8 cache (zeroed by the engine) is read in whole unmasked tiles: a 16-bit token-major V may hold
+    # anything past a context (torch.empty memory), NaN here, and must not reach the output
+    num_blocks, lens = 12, [10, 130]
+    k_cache, v_cache = random_cache(num_blocks, block_size, 1, 64, dtype, "cpu")
+    v_cache = token_major(v_cache)
+    tables = block_tables_for(lens, block_size, num_blocks, "cpu")
+    for s, n in enumerate(lens):  # NaN in every slot past each sequence's context
+        for i in range(n, (n + block_size - 1) // block_size * block_size):
+            v_cache[tables[s, i // block_size], i % block_size] = float("nan")
+    q = qkv_views(len(lens), 2, 1, 64, dtype, "cpu")[0]
+    out = decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), tables, 0.125)
+    assert torch.isfinite(out).all()
+    lens_q = [3, 5]  # the last tokens of each sequence as a prefill chunk over its cached history
+    q = qkv_views(sum(lens_q), 2, 1, 64, dtype, "cpu")[0]
+    out = prefill_attention(q, k_cache, v_cache, cu_seqlens(lens_q, "cpu"), cu_seqlens(lens, "cpu"), max(lens_q),
+                            0.125, block_tables=tables)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])

@@ -16,7 +16,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
-from nanovllm.utils.loader import load_generation_config, load_tokenizer
+from nanovllm.utils.loader import check_tokenizer_files, load_generation_config, load_tokenizer
 
 logger = logging.getLogger("nanovllm")
 
@@ -98,11 +98,18 @@ class LLMEngine:
         # it imports the generation stack, docs/benchmarks.md): it runs while the executor loads weights, warms up
         # and captures graphs. (Started after the config: both import transformers modules, and a thread importing
         # them first makes the other wait on its import locks.)
-        tokenizer = _Background(load_tokenizer, config.model)
+        # (A checkpoint without a tokenizer is refused here, before the weights load, unless load_format="dummy".)
+        try:
+            check_tokenizer_files(config.model)
+            tokenizer = _Background(load_tokenizer, config.model)
+        except OSError:
+            if config.load_format != "dummy":
+                raise
+            tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
         start = perf_counter()
         try:
-            self.tokenizer = tokenizer.result()
+            self.tokenizer = tokenizer.result() if tokenizer is not None else None
         except (OSError, ValueError) as e:
             if config.load_format != "dummy":
                 self.executor.shutdown()

@@ -30,18 +30,26 @@ def load_hf_config(model: str):
     return AutoConfig.from_pretrained(resolve_checkpoint(model))
 
 
-# what a checkpoint directory's tokenizer is saved as (fast: tokenizer.json; BPE: vocab.json; SentencePiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# the vocabulary files tokenizers are saved with (fast: tokenizer.json; BPE: vocab.json; WordPiece: vocab.txt;
+# SentencePiece: tokenizer.model and others; tiktoken; Mistral's tekken)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json")
+
+
+def check_tokenizer_files(model: str) -> None:
+    """Raise OSError unless the checkpoint holds a tokenizer's vocabulary (transformers 5 would build an empty
+    tokenizer from a directory without one: every text encoded to [])."""
+    path = resolve_checkpoint(model)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not glob(
+            os.path.join(path, "*.tiktoken")):
+        raise OSError(f"{path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken); copy the "
+                      "model's tokenizer files into it, or pass load_format='dummy' to run on token ids only")
 
 
 def load_tokenizer(model: str):
-    path = resolve_checkpoint(model)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        # (transformers 5 would build an empty tokenizer here, one that encodes every text to [])
-        raise OSError(f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files "
-                      "into it, or pass load_format='dummy' to run on token ids only")
+    check_tokenizer_files(model)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
 
 
 def load_generation_config(model: str) -> dict:

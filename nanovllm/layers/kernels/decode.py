@@ -32,6 +32,9 @@ TYPICAL_CONTEXT = 512  # split lengths are sized for contexts this long, not the
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more to merge than it saves
 MAX_SPLIT_TOKENS = 1024  # a split length past this is not worth a merge: one split per sequence instead
 MAX_SPLITS = 64
+# fp8 splits long contexts at large batch too, but only into this many splits: a long max_model_len would otherwise
+# capture dozens of mostly empty splits (and their float32 partials) per decode graph
+QUANT_MAX_SPLITS = 8
 
 
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
@@ -175,16 +178,18 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
     layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits.
     An fp8 cache (quant) reads half the bytes per token, so its programs finish sooner: twice as many per SM, and
-    splits of at most MAX_SPLIT_TOKENS at any batch (bench-like contexts of 200-2048 tokens at batch 256: 196.9 us
-    unsplit, 185.5 with 1,024-token splits; at batch 128 111.2 with 1,024, 105.1 with 512).
+    splits of at most MAX_SPLIT_TOKENS at any batch when the bound needs at most QUANT_MAX_SPLITS of them
+    (bench-like contexts of 200-2048 tokens at batch 256: 196.9 us unsplit, 185.5 with 1,024-token splits; at batch
+    128 111.2 with 1,024, 105.1 with 512).
     Depends only on shapes and the bound, so a captured CUDA graph stays valid; max_split_tokens overrides the
     length (benchmarks)."""
     if max_split_tokens is None:
         per_sm = PROGRAMS_PER_SM * (2 if quant else 1)
         want = batch * num_kv_heads * TYPICAL_CONTEXT // (per_sm * _sm_count(device))
         max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
-        if max_split_tokens > MAX_SPLIT_TOKENS:
-            max_split_tokens = MAX_SPLIT_TOKENS if quant else max_context_len
+        if max_split_tokens > MAX_SPLIT_TOKENS:  # (fp8: at most QUANT_MAX_SPLITS such splits, else none)
+            few = triton.cdiv(max(max_context_len, 1), MAX_SPLIT_TOKENS) <= QUANT_MAX_SPLITS
+            max_split_tokens = MAX_SPLIT_TOKENS if quant and few else max_context_len
     tiles = triton.cdiv(max(max_context_len, 1), block_n)
     split_tiles = max(triton.cdiv(max_split_tokens, block_n), triton.cdiv(tiles, MAX_SPLITS))
     return triton.cdiv(tiles, split_tiles), split_tiles
@@ -250,7 +255,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, split_tiles,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        V_TOKEN_MAJOR=v_cache.stride(1) == 1 and block_size % block_n == 0, num_warps=warps, num_stages=stages,
+        # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
+        V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0,
+        num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -201,6 +201,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        V_TOKEN_MAJOR=paged and stride_vt == 1 and block_size % block_n == 0, num_warps=warps, num_stages=stages,
+        # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
+        V_TOKEN_MAJOR=quant and stride_vt == 1 and block_size % block_n == 0,
+        num_warps=warps, num_stages=stages,
     )
     return out
