@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.paged_kv import kv_rows
+from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
@@ -81,7 +81,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         mask_n = offs_n < end
         block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
         if V_TOKEN_MAJOR:  # the tile lies in one block: its tokens are contiguous there (lets loads vectorize)
-            row = tl.max_contiguous(tl.multiple_of(n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+            row = token_major_rows(n0, BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_head_ptr + (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         if V_TOKEN_MAJOR:  # unmasked along tokens, so it vectorizes: rows past the context lie in the same
@@ -106,11 +106,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:  # sum_n p_n (v_scale_n v8_n) = v_top * sum_n (p_n v_scale_n / v_top) v8_n, p v_scale / v_top <= 1
-            v_new = tl.maximum(v_top, tl.max(v_scale, 0))
-            acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
-                         input_precision=PRECISION)
-            v_top = v_new
+        if QUANT:
+            acc, v_top = fp8_pv(acc, p, v, alpha, v_scale, v_top, PRECISION)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new

@@ -1,4 +1,5 @@
-"""Shared Triton helper: where key/value rows of one sequence live, in packed tensors or the paged cache."""
+"""Shared Triton helpers: where key/value rows of one sequence live, in packed tensors or the paged cache, and the
+fp8 cache's p @ V step that the decode and prefill kernels both take."""
 import triton
 import triton.language as tl
 
@@ -23,3 +24,21 @@ def kv_rows(table_row_ptr, n0, offs_n, mask_n, k_start,
         block = tl.zeros([], dtype=tl.int64)
         row = (k_start + offs_n).to(tl.int64)
     return block, row  # one return: triton wants one return type across branches
+
+
+@triton.jit
+def token_major_rows(n0, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows n0 % BLOCK_SIZE + arange(BLOCK_N) of a tile that lies in one block, declared contiguous: the loads of a
+    token-major V (each head's tokens contiguous) then vectorize."""
+    return tl.max_contiguous(tl.multiple_of(n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+
+
+@triton.jit
+def fp8_pv(acc, p, v, alpha, v_scale, v_top, PRECISION: tl.constexpr):
+    """acc * alpha + p @ (V scales x v) with acc in units of v_top, the largest V scale so far: sum_n p_n v_scale_n v_n
+    = v_top * sum_n (p_n v_scale_n / v_top) v_n, and p v_scale / v_top <= 1 stays in float16's range. p [rows,
+    BLOCK_N] float32, v [BLOCK_N, HEAD_DIM] widened from fp8, v_scale [BLOCK_N]. Returns (acc, the new v_top)."""
+    v_new = tl.maximum(v_top, tl.max(v_scale, 0))
+    acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
+                 input_precision=PRECISION)
+    return acc, v_new

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.paged_kv import kv_rows
+from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
 
 LOG2E = 1.4426950408889634
 
@@ -33,7 +33,7 @@ def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_p
     k_ptrs = k_head_ptr + (block * stride_kb + row * stride_kt)[:, None] + offs_d[None, :]
     if V_TOKEN_MAJOR:  # the tile lies in one block, its tokens contiguous there: unmasked, vectorized loads (keys
         # past the end lie in the same block, finite, and get weight 0; layers/attention/fp8.py)
-        v_row = tl.max_contiguous(tl.multiple_of(n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+        v_row = token_major_rows(n0, BLOCK_SIZE, BLOCK_N)
         v = tl.load(v_head_ptr + block * stride_vb + v_row[:, None] + offs_d[None, :] * stride_vd)
     v_ptrs = v_head_ptr + (block * stride_vb + row * stride_vt)[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
@@ -63,11 +63,8 @@ def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_p
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT:  # V scales folded into p, in units of the largest so far: p v_scale / v_top <= 1 (float16's range)
-        v_new = tl.maximum(v_top, tl.max(v_scale, 0))
-        acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
-                     input_precision=PRECISION)
-        v_top = v_new
+    if QUANT:  # V scales folded into p, acc in units of the largest so far
+        acc, v_top = fp8_pv(acc, p, v, alpha, v_scale, v_top, PRECISION)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i, v_top
