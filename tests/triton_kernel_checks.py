@@ -272,6 +272,23 @@ def check_race(batch: int, vocab: int, dtype, device="cpu"):
     assert torch.equal(race(logits, temps, noise), race_in_log_space(logits, temps, noise))
 
 
+def check_race_draws(dtype, device="cpu", rows: int = 4000):
+    """The race kernel drawing its own noise: each row's pick follows softmax(logits / T) (counts within 5 standard
+    deviations over `rows` rows), -inf logits are never picked, the same seed picks the same tokens."""
+    from nanovllm.layers.kernels.race import race
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0], device=device).to(dtype)
+    temps = torch.full((rows, 1), 0.7, device=device)
+    seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    picks = race(logits.expand(rows, -1).contiguous(), temps, seed=seed)
+    assert torch.equal(picks, race(logits.expand(rows, -1).contiguous(), temps, seed=seed))
+    counts = torch.bincount(picks.cpu(), minlength=logits.numel()).double()
+    p = torch.softmax(logits.double().cpu() / 0.7, 0)
+    assert counts[4] == 0
+    assert ((counts - rows * p).abs() <= 5 * (rows * p * (1 - p)).sqrt() + 1).all(), (counts, rows * p)
+    other = race(logits.expand(rows, -1).contiguous(), temps, seed=seed + 1)
+    assert not torch.equal(picks, other)
+
+
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -291,6 +308,11 @@ def test_gemv_kernel(m, n, k, bias, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_race_kernel(dtype):
     check_race(4, 9000, dtype)  # more than two vocabulary chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_race_kernel_draws(dtype):
+    check_race_draws(dtype, rows=1000)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

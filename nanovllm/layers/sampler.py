@@ -44,6 +44,7 @@ class Sampler(nn.Module):
     def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu"):
         super().__init__()
         self.race_fn = race_in_log_space
+        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
@@ -52,12 +53,12 @@ class Sampler(nn.Module):
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
     def use_compiled(self, enabled: bool = True):
-        """On CUDA: the race in one Triton pass (layers/kernels/race.py)."""
+        """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py)."""
         if enabled:
             from nanovllm.layers.kernels.race import race
-            self.race_fn = race
+            self.race_fn, self.race_draws = race, True
         else:
-            self.race_fn = race_in_log_space
+            self.race_fn, self.race_draws = race_in_log_space, False
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice) -> SamplingTensors:
         """Per-row tensors; the optional ones only when some row needs them. sampled[i] is False for a chunk of a
@@ -108,6 +109,9 @@ class Sampler(nn.Module):
             temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
             if filtered:
                 tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator)
+            elif self.race_draws and not st.generators:  # seeded rows need their own generators' draws
+                seed = torch.randint(1 << 62, (1,), generator=generator, device=logits.device)
+                tokens = self.race_fn(logits, temperatures, seed=seed)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
                 tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
             if st.any_greedy:
