@@ -45,7 +45,8 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
-        assert (noise is None) != (seed is None), "give noise or a seed"
+        if (noise is None) == (seed is None):
+            raise ValueError("race() takes either noise or seed, not both or neither")
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         if noise is not None and noise.stride(-1) != 1:
             noise = noise.contiguous()
