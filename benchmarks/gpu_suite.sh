@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|tests_quick|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|race|tests_quick|profile_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -29,6 +29,9 @@ fi
 if has tests; then
   step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
     --deselect tests/test_moe.py  # (the moe step runs those)
+fi
+if has race; then  # the sampler's race kernel on the GPU (its own noise draws included)
+  step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu"
 fi
 if has tests_quick; then  # the kernel checks, the engine on the GPU, structured outputs
   step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu.py \
@@ -97,6 +100,9 @@ fi
 if has profile; then  # kernel time per step (torch.profiler): decode at several batch sizes, a 16k-token prefill
   TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:16:512 \
     decode:1:512 prefill:8:2048
+fi
+if has profile_small; then  # batch 1 and 16 decode steps, kernel by kernel
+  TAIL=60 step profile_small 200 python3 benchmarks/profile_step.py --cases decode:1:512 decode:16:512 --top 45
 fi
 if has profile_fp8; then
   TAIL=24 step profile_fp8 200 python3 benchmarks/profile_step.py --kv-cache-dtype fp8 --cases decode:256:100-1024 \

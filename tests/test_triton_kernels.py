@@ -114,9 +114,13 @@ def test_elementwise_kernels_compile_for_hopper():
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True), num_warps=warps, num_stages=stages)
     for draw in (False, True):
-        _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
-                                                "seed_ptr": "*i64", "out_ptr": "*i64"}, dict(BLOCK=4096, DRAW=draw),
-                            num_warps=8)
+        for split in (False, True):
+            _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
+                                                    "seed_ptr": "*i64", "out_ptr": "*i64", "best_ptr": "*fp32"},
+                                dict(BLOCK=1024 if split else 4096, DRAW=draw, SPLIT=split),
+                                num_warps=4 if split else 8)
+    _compile_for_hopper(race._race_pick_kernel, {"best_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"},
+                        dict(CHUNKS=256), num_warps=1)
 
 
 # GPU: the compiled kernels on real shapes, against the torch reference computed in float32.
@@ -241,9 +245,10 @@ def test_gpu_rope_and_silu(tokens, norm):
     check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
     check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
     check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")
+    check_race(3, 151936, torch.bfloat16, device="cuda")  # split rows
     if tokens == 1:
         from tests.triton_kernel_checks import check_race_draws
-        check_race_draws(torch.bfloat16, device="cuda", rows=20000)
+        check_race_draws(torch.bfloat16, device="cuda", rows=20000, vocab=151936)
 
 
 @pytest.mark.gpu

@@ -261,28 +261,42 @@ def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu"):
 
 
 def check_race(batch: int, vocab: int, dtype, device="cpu"):
-    """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too)."""
+    """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too);
+    with a batch under the SM count each row is split into vocabulary chunks (kernels/race.py's race_chunks)."""
     from nanovllm.layers.kernels.race import race
     from nanovllm.layers.sampler import race_in_log_space
     logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
+    noise = torch.empty(batch, vocab, device=device).exponential_(1)
     logits[0, : vocab // 2] = float("-inf")  # a masked half
     logits[-1] = 1.0  # every logit equal: the noise decides
+    if batch > 2:  # an exact tie between two chunks: the first index wins
+        logits[1], noise[1] = -5.0, 1.0
+        logits[1, 100] = logits[1, vocab - 3] = 4.0
     temps = torch.rand(batch, 1, device=device) + 0.3
-    noise = torch.empty(batch, vocab, device=device).exponential_(1)
-    assert torch.equal(race(logits, temps, noise), race_in_log_space(logits, temps, noise))
+    picks = race(logits, temps, noise)
+    assert torch.equal(picks, race_in_log_space(logits, temps, noise))
+    if batch > 2:
+        assert picks[1] == 100
 
 
-def check_race_draws(dtype, device="cpu", rows: int = 4000):
+def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     """The race kernel drawing its own noise: each row's pick follows softmax(logits / T) (counts within 5 standard
-    deviations over `rows` rows), -inf logits are never picked, the same seed picks the same tokens."""
+    deviations over `rows` rows; the candidates spread over the vocabulary chunks of a small batch), -inf logits
+    are never picked, the same seed picks the same tokens whether or not the rows are split."""
     from nanovllm.layers.kernels.race import race
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0], device=device).to(dtype)
+    values = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0])
+    where = torch.linspace(0, vocab - 1, len(values)).long()
+    logits = torch.full((vocab,), float("-inf"))
+    logits[where] = values
+    logits = logits.to(device=device, dtype=dtype)
     temps = torch.full((rows, 1), 0.7, device=device)
     seed = torch.tensor([12345], dtype=torch.int64, device=device)
     picks = race(logits.expand(rows, -1).contiguous(), temps, seed=seed)
     assert torch.equal(picks, race(logits.expand(rows, -1).contiguous(), temps, seed=seed))
-    counts = torch.bincount(picks.cpu(), minlength=logits.numel()).double()
-    p = torch.softmax(logits.double().cpu() / 0.7, 0)
+    assert torch.equal(picks[:3], race(logits.expand(3, -1).contiguous(), temps[:3], seed=seed))  # split rows
+    assert torch.isin(picks, where.to(device)).all()
+    counts = torch.bincount(picks.cpu(), minlength=vocab).double()[where]
+    p = torch.softmax(values.double() / 0.7, 0)
     assert counts[4] == 0
     assert ((counts - rows * p).abs() <= 5 * (rows * p * (1 - p)).sqrt() + 1).all(), (counts, rows * p)
     other = race(logits.expand(rows, -1).contiguous(), temps, seed=seed + 1)
@@ -307,7 +321,8 @@ def test_gemv_kernel(m, n, k, bias, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_race_kernel(dtype):
-    check_race(4, 9000, dtype)  # more than two vocabulary chunks
+    check_race(4, 9000, dtype)  # split: nine vocabulary chunks per row
+    check_race(140, 5000, dtype)  # one program per row (batch >= the SM count), two blocks each
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,28 +1,37 @@
 """The sampler's exponential race, argmax(logits / T - log E) per row, in one pass over 16-bit or float32 logits
-(layers/sampler.py's race_in_log_space is the reference). One program per row streams the vocabulary; ties go to
-the first index, as torch.argmax. The GPU's division and log may differ from torch's in the last bit, so a near-tie
-can go the other way than the reference's on the same noise: the distribution is the same.
+(layers/sampler.py's race_in_log_space is the reference). Ties go to the first index, as torch.argmax. The GPU's
+division and log may differ from torch's in the last bit, so a near-tie can go the other way than the reference's
+on the same noise: the distribution is the same.
 
 Without a noise tensor the kernel draws E itself: E = -log(1 - U), U uniform in [0, 1) from Philox (tl.rand) keyed
 by the step's seed plus the row, counter the token id. That skips writing and reading a [batch, vocab] float32
-tensor of draws (at batch 256, 155 MB each way) and its kernel."""
+tensor of draws (at batch 256, 155 MB each way) and its kernel.
+
+A small batch splits each row's vocabulary over several programs (one program per row would stream 152k ids on one
+SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The draws do
+not depend on the split (the counter is the token id)."""
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kernels.decode import _sm_count
+
 
 @triton.jit
-def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, stride_l, stride_n, vocab, BLOCK: tl.constexpr,
-                 DRAW: tl.constexpr):
+def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, best_ptr, stride_l, stride_n, vocab, span,
+                 BLOCK: tl.constexpr, DRAW: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     t = tl.load(temps_ptr + row)
     if DRAW:
         seed = tl.load(seed_ptr) + row  # one Philox key per row; the counter is the token id
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
+    lo = chunk * span
+    hi = tl.minimum(lo + span, vocab)
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < vocab
+        mask = offs < hi
         x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
         if DRAW:
             e = -tl.log(1.0 - tl.rand(seed, offs))  # Exp(1); U = 0 gives E = 0 (that token wins: its arrival is 0)
@@ -34,7 +43,36 @@ def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, stride_l, 
         take = m > best
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, best_i)
+    if SPLIT:
+        n = tl.num_programs(1)
+        tl.store(best_ptr + row * n + chunk, best)
+        tl.store(out_ptr + row * n + chunk, best_i)
+    else:
+        tl.store(out_ptr + row, best_i)
+
+
+@triton.jit
+def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
+    """Each row's winner among its chunks' bests: the first chunk with the highest score (chunks are in index
+    order, so ties still go to the first index)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    mask = c < chunks
+    s = tl.load(best_ptr + row * chunks + c, mask=mask, other=float("-inf"))
+    m = tl.max(s, 0)
+    first = tl.min(tl.where((s == m) & mask, c, CHUNKS), 0)
+    first = tl.where(first < chunks, first, 0)  # a row of NaN scores: no chunk equals the max
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + first))
+
+
+def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(chunks per row, tokens per chunk): about two programs per SM in all, chunks of at least 1,024 ids."""
+    sms = _sm_count(device)
+    if batch >= sms:
+        return 1, vocab
+    chunks = min(triton.cdiv(vocab, 1024), triton.cdiv(2 * sms, batch))
+    span = triton.cdiv(triton.cdiv(vocab, chunks), 1024) * 1024
+    return triton.cdiv(vocab, span), span
 
 
 def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor | None = None,
@@ -44,14 +82,23 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
     -> token ids [batch] int64."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    if batch:
-        if (noise is None) == (seed is None):
-            raise ValueError("race() takes either noise or seed, not both or neither")
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        if noise is not None and noise.stride(-1) != 1:
-            noise = noise.contiguous()
-        temps = temperatures.reshape(batch).float().contiguous()
-        _race_kernel[(batch,)](logits, temps, noise if noise is not None else logits, seed if seed is not None else out,
-                               out, logits.stride(0), noise.stride(0) if noise is not None else 0, vocab,
-                               BLOCK=4096, DRAW=noise is None, num_warps=8)
+    if not batch:
+        return out
+    if (noise is None) == (seed is None):
+        raise ValueError("race() takes either noise or seed, not both or neither")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if noise is not None and noise.stride(-1) != 1:
+        noise = noise.contiguous()
+    temps = temperatures.reshape(batch).float().contiguous()
+    chunks, span = race_chunks(batch, vocab, logits.device)
+    split = chunks > 1
+    idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device) if split else out
+    best = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device) if split else temps
+    _race_kernel[(batch, chunks)](logits, temps, noise if noise is not None else logits,
+                                  seed if seed is not None else out, idx, best, logits.stride(0),
+                                  noise.stride(0) if noise is not None else 0, vocab, span,
+                                  BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
+                                  num_warps=4 if split else 8)
+    if split:
+        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
     return out
