@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|race|tests_quick|profile_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -30,8 +30,8 @@ if has tests; then
   step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
     --deselect tests/test_moe.py  # (the moe step runs those)
 fi
-if has race; then  # the sampler's race kernel on the GPU (its own noise draws included)
-  step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu"
+if has race; then  # the sampler's race kernel on the GPU (its own noise draws included), the folded gemv kernels
+  step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu or gemv"
 fi
 if has tests_quick; then  # the kernel checks, the engine on the GPU, structured outputs
   step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu.py \
@@ -83,6 +83,13 @@ if has tiles_token; then  # fp8 tiles with V token-major, and the default with V
 fi
 if has gemv; then  # linear layers at decode batch sizes: cuBLAS against the Triton kernel
   TAIL=14 step gemv 120 python3 benchmarks/small_gemm.py
+fi
+if has gemv_chain; then  # a decode step's linear part: separate norm/SiLU kernels, folded, folded + PDL
+  TAIL=10 step gemv_chain 120 python3 benchmarks/small_gemm.py --chain --rows 1 4 16
+fi
+if has tiles_small; then  # the decode kernel at batch 1 and 16, split lengths
+  TAIL=10 step tiles_small 150 python3 benchmarks/decode_tiles.py --quick --kv-cache-dtype auto \
+    --shapes 1x512 16x512 --configs default default,256 default,512 default,4096 64,2,2 64,2,2,4096
 fi
 if has gemv_sweep; then
   TAIL=30 step gemv_sweep 400 python3 benchmarks/small_gemm.py --rows 1 16 --sweep

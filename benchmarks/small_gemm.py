@@ -2,7 +2,11 @@
 the Qwen3-0.6B shapes. CUDA-graph replays of one call per weight copy (copies rotated past the 50 MB L2, as 28
 layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
 
-    python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep]
+    python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep] [--chain]
+
+--chain: a decode step's linear part as the engine runs it, 28 layers of (qkv, o, norm, gate_up, SiLU-and-mul,
+down, norm) + LM head, one CUDA graph: cuBLAS, the general Triton kernel, the one-row kernel without and with
+programmatic dependent launch (kernels/pdl.py).
 """
 import argparse
 import itertools
@@ -35,8 +39,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--sweep", action="store_true", help="also try other tiles and K splits")
+    p.add_argument("--chain", action="store_true", help="only the layer chain of a decode step (see above)")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.chain:
+        return chain(args.rows)
     total = {}
     for name, n, k in SHAPES:
         nbytes = n * k * 2
@@ -84,6 +91,62 @@ def main():
     print("\n== one decode step's linear layers (28 layers + lm_head), us ==")
     for m, (c, d, b) in total.items():
         print(f"M={m:2d}: cublas {c:8.1f}  triton default {d:8.1f}  best-per-shape {b:8.1f}")
+
+
+def chain(rows_list):
+    from nanovllm.layers.kernels import activation, norm
+    layers, hidden, inter, vocab = 28, 1024, 3072, 151936
+
+    def weight(n, k):
+        return torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+    ws = [(weight(4096, hidden), weight(hidden, 2048), weight(2 * inter, hidden), weight(hidden, inter))
+          for _ in range(layers)]
+    head = weight(vocab, hidden)
+    nw = torch.rand(hidden, dtype=torch.bfloat16, device="cuda") + 0.5
+
+    def step(x, matmul):
+        h, r = norm.rms_norm(x, nw, 1e-6), x
+        for qkv, o, gu, down in ws:
+            h = matmul(matmul(h, qkv)[:, :2048].contiguous(), o)
+            h, r = norm.add_rms_norm(h, r, nw, 1e-6)
+            h = matmul(activation.silu_and_mul(matmul(h, gu)), down)
+            h, r = norm.add_rms_norm(h, r, nw, 1e-6)
+        return matmul(h, head)
+
+    def folded(x, pdl):  # one row: the norms, residual adds and SiLU inside the one-row kernel (forward_small)
+        h, r = gemv.gemv(x, ws[0][0], norm=(nw, 1e-6), pdl=pdl), x
+        for i, (qkv, o, gu, down) in enumerate(ws):
+            if i:
+                h, r = gemv.gemv(h, qkv, norm=(nw, 1e-6), residual=r, pdl=pdl)
+            h = gemv.gemv(h[:, :2048].contiguous(), o, pdl=pdl)
+            h, r = gemv.gemv(h, gu, norm=(nw, 1e-6), residual=r, pdl=pdl)
+            h = gemv.gemv(h, down, gated=True, pdl=pdl)
+        return gemv.gemv(norm.add_rms_norm(h, r, nw, 1e-6)[0], head, pdl=pdl)
+
+    variants = [("cublas", F.linear),
+                ("triton, general kernel", lambda a, w: gemv.gemv(a, w, row_kernel=False)),
+                ("triton, one-row kernel", lambda a, w: gemv.gemv(a, w, pdl=False)),
+                ("triton, one-row kernel + PDL", lambda a, w: gemv.gemv(a, w, pdl=True)),
+                ("triton, default", gemv.gemv),
+                ("one-row, folded", "folded"), ("one-row, folded + PDL", "folded+pdl")]
+    nbytes = sum(w.numel() * 2 for layer in ws for w in layer) + head.numel() * 2
+    for m in rows_list:
+        x = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
+        ref = None
+        for label, matmul in variants:
+            if m > 1 and "one-row" in label:  # (one row only)
+                continue
+            if isinstance(matmul, str):
+                with_pdl = matmul.endswith("pdl")
+                run = lambda x, pdl=with_pdl: folded(x, pdl)  # noqa: E731
+            else:
+                run = lambda x, matmul=matmul: step(x, matmul)  # noqa: E731
+            out = run(x).float()
+            ref = out if ref is None else ref
+            err = ((out - ref).norm() / ref.norm()).item()
+            us = time_graph(lambda run=run, x=x: run(x), 1)
+            print(f"M={m:2d} {label:30s} {us:8.1f} us/step ({nbytes / us / 1e3:5.0f} GB/s over the weights)  "
+                  f"rel. diff {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

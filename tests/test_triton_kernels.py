@@ -78,11 +78,11 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major),
+                     V_TOKEN_MAJOR=v_token_major, PDL=True),
                 num_warps=warps, num_stages=stages)
     _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                                                        "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
-                        dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64), num_warps=4)
+                        dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64, PDL=True), num_warps=4)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",
@@ -100,19 +100,28 @@ def test_elementwise_kernels_compile_for_hopper():
         _compile_for_hopper(rope._qk_norm_rope_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr")}
                             | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"},
                             dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64), num_warps=4)
-    _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024),
-                        num_warps=4)
+    _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                        dict(BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import norm, race
     for add in (True, False):
         _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
                                                                           "res_out_ptr")} | {"eps": "fp32"},
-                            dict(ADD=add, BLOCK=1024), num_warps=4)
+                            dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import gemv
     for rows in (1, 16):
         block_n, block_k, warps, stages = gemv.gemv_config(rows, 4096, 1024)
         _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True), num_warps=warps, num_stages=stages)
+    row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
+    for k in (1024, 2048, 3072):
+        block_n, block_k, warps = gemv.row_config(4096, k)
+        variants = [(False, False, False, True), (False, False, False, False), (True, False, False, True),
+                    (False, True, True, True), (False, True, False, True)]  # (gated, normed, add, pdl)
+        for gated, normed, add, pdl in variants:
+            _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"eps": "fp32"},
+                                dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=True, GATED=gated, NORM=normed,
+                                     ADD=add, PDL=pdl), num_warps=warps, launch_pdl=pdl)
     for draw in (False, True):
         for split in (False, True):
             _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
@@ -259,6 +268,43 @@ def test_gpu_gemv(rows):
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
         check_gemv(rows, n, k, torch.bfloat16, False, device="cuda")
     check_gemv(rows, 1000, 1000, torch.bfloat16, True, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_gemv_row_chain(pdl, monkeypatch):
+    # the one-row kernel with and without programmatic dependent launch, with the norm / residual add / SiLU folded
+    # in: each call reads what the one before wrote, eager and replayed as a CUDA graph: the same bits
+    from nanovllm.layers.kernels import gemv, norm
+    from tests.triton_kernel_checks import check_decoder_layer_small_batch, check_gemv, check_gemv_fused
+    monkeypatch.setattr(gemv, "pdl_enabled", lambda device: pdl)
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (1000, 1000)):
+        check_gemv(1, n, k, torch.bfloat16, n == 1000, device="cuda")
+        check_gemv_fused(1, n, k, torch.bfloat16, device="cuda")
+    check_decoder_layer_small_batch(1, torch.bfloat16, device="cuda")
+
+    def weight(n, k):
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    w_a, w_b, w_c = weight(2048, 1024), weight(6144, 2048), weight(1024, 3072)
+    nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    x, res = (torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def chain():
+        h, r = norm.add_rms_norm(x, res, nw, 1e-6)
+        for _ in range(3):
+            h = gemv.gemv(gemv.gemv(gemv.gemv(h, w_a), w_b), w_c, gated=True)
+            h, r = gemv.gemv(h, w_a[:1024].contiguous(), norm=(nw, 1e-6), residual=r)
+        return h, r
+    eager = chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
 
 
 def test_decode_split_lengths():

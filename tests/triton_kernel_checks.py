@@ -303,6 +303,57 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     assert not torch.equal(picks, other)
 
 
+def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
+    """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
+    residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
+    then F.linear in float32; the new residual exact."""
+    from nanovllm.layers import activation, layernorm
+    from nanovllm.layers.kernels.gemv import gemv
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    h = (torch.randn(m, 2 * k, device=device) * 2).to(dtype)
+    ref = torch.nn.functional.linear(activation.silu_and_mul(h).float(), w.float())
+    assert_close(gemv(h, w, gated=True), ref, dtype, f"gated gemv m={m} n={n} k={k}")
+    x, residual = ((torch.randn(m, k, device=device) * 3).to(dtype) for _ in range(2))
+    nw = (torch.rand(k, device=device) + 0.5).to(dtype)
+    y = gemv(x, w, norm=(nw, 1e-6))
+    ref = torch.nn.functional.linear(layernorm.rms_norm(x, nw, 1e-6).float(), w.float())
+    assert_close(y, ref, dtype, f"normed gemv m={m} n={n} k={k}")
+    y, new_residual = gemv(x, w, norm=(nw, 1e-6), residual=residual)
+    normed, ref_residual = layernorm.add_rms_norm(x, residual, nw, 1e-6)
+    assert torch.equal(new_residual, ref_residual)
+    assert_close(y, torch.nn.functional.linear(normed.float(), w.float()), dtype, f"add-normed gemv m={m} k={k}")
+
+
+def check_decoder_layer_small_batch(rows: int, dtype, device="cpu"):
+    """Two decoder layers on one row through forward_small (norms, residual adds and SiLU-and-mul inside the
+    projections' kernels) against the plain forward; attention replaced by a fixed map of qkv (its kernels have
+    their own checks), so this pins which norm, residual and weight goes where."""
+    from types import SimpleNamespace
+
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.models.decoder import DecoderFlags, DecoderLayer
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=96, rms_norm_eps=1e-6)
+    rotary = RotaryEmbedding(16, 64, 10000.0)
+    layers = [DecoderLayer(config, DecoderFlags(), rotary, i).to(device=device, dtype=dtype) for i in range(2)]
+    for layer in layers:
+        for p in layer.parameters():
+            p.data.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> hidden
+        layer.self_attn.attend = lambda positions, qkv, mix=mix: qkv @ mix
+    hidden = torch.randn(rows, 64, device=device).to(dtype)
+    positions = torch.arange(rows, device=device)
+    outs = []
+    for fused in (False, True):
+        h, residual = hidden, None
+        for layer in layers:
+            layer.fuse_small = fused
+            h, residual = layer(positions, h, residual)
+        outs.append((h, residual))
+    for got, want, what in zip(outs[1], outs[0], ("hidden", "residual")):
+        assert_close(got, want, dtype, f"decoder layers, small-batch path, {what}")
+
+
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -312,11 +363,23 @@ def test_norm_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k,bias", [(1, 64, 1024, False), (1, 37, 300, True), (3, 64, 1024, True),
-                                        (16, 100, 2048, False)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 64, 1024, False), (1, 37, 300, True), (1, 20, 5000, True),
+                                        (3, 64, 1024, True), (16, 100, 2048, False)])
 def test_gemv_kernel(m, n, k, bias, dtype):
-    # even shapes (unmasked loads of W) and ragged ones (a partial tile of W rows and of K)
+    # even shapes (unmasked loads of W) and ragged ones (a partial tile of W rows and of K); one row: the one-row
+    # kernel up to K = 4096, the general one past it
     check_gemv(m, n, k, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 37, 300), (1, 40, 5000), (5, 64, 1024)])
+def test_gemv_fused_kernel(m, n, k, dtype):
+    # one row: folded into the one-row kernel; past its K or with more rows: the separate kernels, then the layer
+    check_gemv_fused(m, n, k, dtype)
+
+
+def test_decoder_layer_small_batch():
+    check_decoder_layer_small_batch(1, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

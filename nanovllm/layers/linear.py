@@ -8,6 +8,19 @@ from torch import nn
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.utils.loader import check_weight_shape
 
+SMALL_BATCH_ROWS = 16  # up to this many rows the small-batch kernel (layers/kernels/gemv.py) beats cuBLAS
+
+
+def small_batch_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the small-batch kernel takes x @ weight^T: 1-16 unit-stride rows of a 16-bit model."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= SMALL_BATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row for the small-batch kernel (batch-1 decode): the decoder layer folds its norms into the matmuls."""
+    return x.shape[0] == 1 and small_batch_rows(x, weight)
+
 
 def matmul_fn(small_batch_kernel: bool):
     """F.linear, or (CUDA runs) F.linear with a few 16-bit rows (small-batch decode) through the Triton kernel of
@@ -36,6 +49,14 @@ class LinearBase(nn.Module):
 
     def use_compiled(self, enabled: bool = True):
         self.matmul = matmul_fn(enabled)
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+        """(self(norm(x, residual)), new residual) with the RMSNorm and the residual add inside the small-batch
+        kernel (layers/kernels/gemv.py; the caller checks one_row). Column-parallel layers only (no
+        all-reduce)."""
+        from nanovllm.layers.kernels.gemv import gemv
+        out = gemv(x, self.weight, self.bias, norm=(norm.weight, norm.eps), residual=residual)
+        return out if residual is not None else (out, x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
@@ -106,7 +127,13 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size // get_tp_size(), output_size, bias, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Only rank 0 adds the bias so that the all-reduce adds it once.
-        y = self.matmul(x, self.weight, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is an MLP's [gate, up] and the layer reads silu(gate) * up inside the small-batch kernel
+        (layers/kernels/gemv.py; the caller checks one_row)."""
+        bias = self.bias if self.tp_rank == 0 else None  # rank 0 alone adds it: the all-reduce adds it once
+        if gated:
+            from nanovllm.layers.kernels.gemv import gemv
+            y = gemv(x, self.weight, bias, gated=True)
+        else:
+            y = self.matmul(x, self.weight, bias)
         return all_reduce(y, self.tp_group)

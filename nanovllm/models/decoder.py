@@ -10,7 +10,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, one_row
 from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
@@ -80,7 +80,11 @@ class DecoderAttention(nn.Module):
             self.fused_rope = qk_norm_rope_
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -122,8 +126,14 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(config, flags)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fuse_small = False  # CUDA: one row takes forward_small
+
+    def use_compiled(self, enabled: bool = True):
+        self.fuse_small = enabled and isinstance(self.mlp, DecoderMLP)
 
     def forward(self, positions, hidden, residual):
+        if self.fuse_small and one_row(hidden, self.self_attn.qkv_proj.weight):
+            return self.forward_small(positions, hidden, residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -131,6 +141,16 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_small(self, positions, hidden, residual):
+        """The same layer for one 16-bit row (batch-1 decode): both RMSNorms and residual adds run inside the next
+        projection's kernel, SiLU-and-mul inside the down projection's (layers/kernels/gemv.py's one-row kernel,
+        which holds the whole row of x anyway): three kernels fewer per layer."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_normed(hidden, self.input_layernorm, residual)
+        hidden = attn.attend(positions, qkv)
+        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, self.post_attention_layernorm, residual)
+        return mlp.down_proj(gate_up, gated=True), residual
 
 
 class DecoderModel(nn.Module):

@@ -5,9 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kernels.pdl import pdl_enabled
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the down projection's kernel may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     token, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < inter
     gate = tl.load(x_ptr + token * stride_x + col, mask=mask, other=0.0).to(tl.float32)
@@ -30,5 +34,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                               BLOCK=block, num_warps=4)
+                                                               BLOCK=block, PDL=pdl_enabled(x.device),
+                                                               num_warps=4)
     return out

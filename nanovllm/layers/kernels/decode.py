@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
+from nanovllm.layers.kernels.pdl import pdl_enabled
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
@@ -48,7 +49,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    qk_scale, split_tiles,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   V_TOKEN_MAJOR: tl.constexpr):
+                   V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the o_proj kernel after this one may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
@@ -137,9 +140,11 @@ def _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N: tl.constexpr
 @triton.jit(do_not_specialize=["split_tiles", "num_splits"])
 def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, stride_ob, stride_oh,
                           split_tiles, num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits of one (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m).
     Only the splits that hold part of the context wrote partials; a sequence with one was written directly."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq, head = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     used = tl.cdiv(tl.cdiv(context_len, BLOCK_N), _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N))
@@ -253,13 +258,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
-        V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0,
+        V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_m, part_l, part_acc, context_lens, out.stride(0), out.stride(1), split_tiles, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_N=block_n,
-            num_warps=4,
+            PDL=pdl_enabled(q.device), num_warps=4,
         )
     return out

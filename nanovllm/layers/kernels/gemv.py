@@ -11,7 +11,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.linear import SMALL_BATCH_ROWS as MAX_ROWS
+from nanovllm.layers.linear import small_batch_rows
+
+ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
 @triton.jit
@@ -46,6 +50,56 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    """One row of x. Each program loads its whole [BLOCK_N, K] slice of W at once: no kernel writes W, so with
+    programmatic dependent launch (PDL) those loads may start while the kernel before is finishing; gdc_wait then
+    waits for it before x is read or anything written. The whole row of x is in registers too, so the op before
+    the layer folds in at no extra pass (the roundings of kernels/activation.py and norm.py):
+    GATED: x is [gate, up] (2K wide) and the layer reads silu(gate) * up;
+    ADD: the layer reads x + residual, which program 0 also writes out (the new residual);
+    NORM: then rms_norm(.) * nw."""
+    dtype = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n, mask_k = offs_n < N, offs_k < K
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # rounded as F.silu(gate) * up rounds
+        x = (silu * tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(dtype)).to(dtype)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(res_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(res_out_ptr + offs_k, x, mask=mask_k)
+    if NORM:
+        xf = x.to(tl.float32)
+        x = ((xf * tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)).to(dtype) * nw).to(dtype)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    if HAS_BIAS:
+        acc += b
+    tl.store(y_ptr + offs_n, acc.to(dtype), mask=mask_n)
+
+
+def row_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the one-row kernel: a [BLOCK_N, K] slice of at most 16k elements (32
+    registers a thread at 8 warps)."""
+    block_k = triton.next_power_of_2(k)
+    return max(1, min(16, 16384 // block_k)), block_k, 8
+
+
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best measured on an H200 for the Qwen3-0.6B shapes
     (benchmarks/small_gemm.py --sweep)."""
@@ -57,13 +111,47 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1
-    block_n, block_k, warps, stages = config or gemv_config(m, n, k)
+         config: tuple[int, int, int, int] | None = None, row_kernel: bool | None = None,
+         pdl: bool | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+         residual: torch.Tensor | None = None):
+    """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K. One row up to
+    ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
+    one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
+    norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
+    (y, x + residual). Benchmarks: config picks the general kernel's tile, row_kernel and pdl force choices."""
+    m, width = x.shape
+    n, k = weight.shape
+    if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
+            and (residual is None or (norm is not None and residual.shape == x.shape))):
+        raise ValueError(f"gemv: x {tuple(x.shape)} (strides {x.stride()}), weight {tuple(weight.shape)}, gated "
+                         f"{gated}, residual {None if residual is None else tuple(residual.shape)} do not fit")
+    if row_kernel is None:
+        row_kernel = m == 1 and k <= ROW_MAX_K and config is None
+    if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
+        from nanovllm.layers.kernels import activation
+        from nanovllm.layers.kernels import norm as norm_kernels
+        new_residual = None
+        if gated:
+            x = activation.silu_and_mul(x)
+        if residual is not None:
+            x, new_residual = norm_kernels.add_rms_norm(x, residual, *norm)
+        elif norm is not None:
+            x = norm_kernels.rms_norm(x, *norm)
+        y = gemv(x, weight, bias, config, row_kernel=False)
+        return (y, new_residual) if residual is not None else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if row_kernel:
+        pdl = pdl_enabled(x.device) if pdl is None else pdl
+        res_out = torch.empty_like(residual) if residual is not None else y
+        residual = residual.contiguous() if residual is not None else x
+        block_n, block_k, warps = row_config(n, k)
+        _gemv_row_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
+            res_out, n, k, weight.stride(0), norm[1] if norm is not None else 0.0, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
+            num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+        return (y, res_out) if res_out is not y else y
+    block_n, block_k, warps, stages = config or gemv_config(m, n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
@@ -73,7 +161,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through gemv for a few 16-bit rows (a decode step at small batch), else cuBLAS."""
-    if (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(1) == 1 and weight.stride(1) == 1):
+    if small_batch_rows(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
