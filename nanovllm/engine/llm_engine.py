@@ -96,8 +96,9 @@ class LLMEngine:
         self.startup = {"config": perf_counter() - start}  # seconds; the runners log theirs
         # Importing transformers' AutoTokenizer is seconds of Python on some machines (7.8 s on a lent H200 host:
         # it imports the generation stack, docs/benchmarks.md): it runs while the executor loads weights, warms up
-        # and captures graphs. (Started after the config: both import transformers modules, and a thread importing
-        # them first makes the other wait on its import locks.)
+        # and captures graphs. Started right after the config, which is either a PlainConfig read from config.json
+        # alone (well under a millisecond, nothing of transformers imported: from here on only this thread imports
+        # transformers) or transformers' AutoConfig, whose imports would otherwise wait on the thread's import locks.
         # (A checkpoint without a tokenizer is refused here, before the weights load, unless load_format="dummy".)
         try:
             check_tokenizer_files(config.model)

@@ -10,6 +10,8 @@ from glob import glob
 import torch
 from torch import nn
 
+from nanovllm.utils.plain_config import read_plain_config
+
 
 def resolve_checkpoint(model: str) -> str:
     """The checkpoint directory for `model`: the directory itself, or the cached conversion of a GGUF file."""
@@ -26,8 +28,14 @@ def resolve_checkpoint(model: str) -> str:
 
 
 def load_hf_config(model: str):
+    """The checkpoint's config: a PlainConfig read from config.json alone where the plain reader can vouch for every
+    field the engine reads (milliseconds, and transformers is not imported), else transformers' AutoConfig."""
+    path = resolve_checkpoint(model)
+    config = read_plain_config(path)
+    if config is not None:
+        return config
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(resolve_checkpoint(model))
+    return AutoConfig.from_pretrained(path)
 
 
 # the vocabulary files tokenizers are saved with (fast: tokenizer.json; BPE: vocab.json; WordPiece: vocab.txt;
