@@ -328,8 +328,10 @@ def test_small_batch_linear_dispatch(monkeypatch):
     # The CUDA runner's linear layers: 1-16 rows of a 16-bit model through the Triton kernel, everything else (more
     # rows, float32, strided rows) through F.linear, with the same result either way
     from nanovllm.layers.kernels import gemv
+    from nanovllm.layers.linear import matmul_fn
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: (calls.append(x.shape[0]), F.linear(x, w, b))[1])
+    linear = matmul_fn(True)
     w = torch.randn(8, 32, dtype=torch.bfloat16)
     for rows, dtype, strided, expect in ((1, torch.bfloat16, False, True), (16, torch.float16, False, True),
                                          (17, torch.bfloat16, False, False), (4, torch.float32, False, False),
@@ -337,6 +339,6 @@ def test_small_batch_linear_dispatch(monkeypatch):
         calls.clear()
         x = torch.randn(rows, 64 if strided else 32).to(dtype)
         x = x[:, ::2] if strided else x
-        y = gemv.linear(x, w.to(dtype))
+        y = linear(x, w.to(dtype))
         assert bool(calls) == expect, (rows, dtype, strided)
         torch.testing.assert_close(y, F.linear(x, w.to(dtype)))

@@ -8,7 +8,7 @@ from torch import nn
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.utils.loader import check_weight_shape
 
-SMALL_BATCH_ROWS = 16  # up to this many rows the small-batch kernel (layers/kernels/gemv.py) beats cuBLAS
+SMALL_BATCH_ROWS = 16  # up to this many rows the small-batch kernel (layers/kernels/gemv.py's MAX_ROWS) beats cuBLAS
 
 
 def small_batch_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -27,8 +27,11 @@ def matmul_fn(small_batch_kernel: bool):
     layers/kernels/gemv.py."""
     if not small_batch_kernel:
         return F.linear
-    from nanovllm.layers.kernels.gemv import linear
-    return linear
+    from nanovllm.layers.kernels import gemv
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv.gemv(x, weight, bias) if small_batch_rows(x, weight) else F.linear(x, weight, bias)
+    return matmul
 
 
 class LinearBase(nn.Module):

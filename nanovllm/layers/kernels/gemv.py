@@ -7,13 +7,12 @@ shapes) from 994 to 743 us; cuBLAS picks slow kernels for some of these shapes (
 5-6 here). Splitting K across programs (atomic adds) was measured too and never won.
 """
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from nanovllm.layers.kernels.pdl import pdl_enabled
-from nanovllm.layers.linear import SMALL_BATCH_ROWS as MAX_ROWS
-from nanovllm.layers.linear import small_batch_rows
+
+MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
@@ -157,10 +156,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0, num_warps=warps, num_stages=stages)
     return y
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv for a few 16-bit rows (a decode step at small batch), else cuBLAS."""
-    if small_batch_rows(x, weight):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
