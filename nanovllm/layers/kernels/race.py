@@ -51,10 +51,10 @@ def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, best_ptr, 
         tl.store(out_ptr + row, best_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
     """Each row's winner among its chunks' bests: the first chunk with the highest score (chunks are in index
-    order, so ties still go to the first index)."""
+    order, so ties still go to the first index). CHUNKS bounds the chunk count of any batch (one compile)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     mask = c < chunks
@@ -66,7 +66,8 @@ def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
 
 
 def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """(chunks per row, tokens per chunk): about two programs per SM in all, chunks of at least 1,024 ids."""
+    """(chunks per row, tokens per chunk): about two programs per SM in all (so at most 2 x SMs chunks a row),
+    chunks of at least 1,024 ids."""
     sms = _sm_count(device)
     if batch >= sms:
         return 1, vocab
@@ -100,5 +101,6 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
                                   BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
                                   num_warps=4 if split else 8)
     if split:
-        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
+        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(2 * _sm_count(logits.device)),
+                                    num_warps=1)
     return out
