@@ -5,12 +5,15 @@ functions are also used there by the GPU tests. Not collected on its own (no tes
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, token_major
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
 from nanovllm.layers.kernels.prefill import prefill_attention
+from nanovllm.layers.kernels.race import _exp1
 from nanovllm.utils.context import Context
 
 
@@ -303,6 +306,31 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     assert not torch.equal(picks, other)
 
 
+@triton.jit
+def _exp1_probe(seed_ptr, u_ptr, e_ptr):
+    """The race kernel's uniform draws of tokens 0 and 1 for one row key, and its Exp(1) draws from them."""
+    offs = tl.arange(0, 2)
+    u = tl.rand(tl.load(seed_ptr), offs)
+    tl.store(u_ptr + offs, u)
+    tl.store(e_ptr + offs, _exp1(u))
+
+
+def check_race_draws_small_uniform(dtype, device="cpu"):
+    """A tiny uniform draw gives a tiny Exp(1) draw, not 0. Row key 13261905 draws U = 52 * 2^-31 for token 1 (found by
+    searching Triton's Philox; the probe pins it): E = 2.4e-8, so token 1 (logit -22) scores -22 + 17.5 and loses to
+    token 0. With E = -log(1 - U) in float32, 1 - U rounds to 1, E = 0 (clamped to 1e-10) scores -22 + 23.03 and
+    wins: a 1e-10 token picked with probability 3e-8 per token and step."""
+    from nanovllm.layers.kernels.race import race
+    seed = torch.tensor([13261905], dtype=torch.int64, device=device)
+    u, e = (torch.empty(2, device=device) for _ in range(2))
+    _exp1_probe[(1,)](seed, u, e)
+    assert u[1].item() == pytest.approx(52 * 2.0 ** -31, rel=1e-6), u  # else Triton's Philox changed: find another key
+    exact = -torch.log1p(-u.double())
+    assert ((e.double() - exact).abs() <= 1e-6 * exact).all(), (e, exact)
+    logits = torch.tensor([[0.0, -22.0]], device=device).to(dtype)
+    assert race(logits, torch.ones(1, 1, device=device), seed=seed).item() == 0
+
+
 def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
     residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
@@ -391,6 +419,7 @@ def test_race_kernel(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_race_kernel_draws(dtype):
     check_race_draws(dtype, rows=1000)
+    check_race_draws_small_uniform(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

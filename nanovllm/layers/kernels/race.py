@@ -3,9 +3,9 @@
 division and log may differ from torch's in the last bit, so a near-tie can go the other way than the reference's
 on the same noise: the distribution is the same.
 
-Without a noise tensor the kernel draws E itself: E = -log(1 - U), U uniform in [0, 1) from Philox (tl.rand) keyed
-by the step's seed plus the row, counter the token id. That skips writing and reading a [batch, vocab] float32
-tensor of draws (at batch 256, 155 MB each way) and its kernel.
+Without a noise tensor the kernel draws E itself: E = -log(1 - U) (_exp1: accurate for small U too), U uniform in
+[0, 1) from Philox (tl.rand) keyed by the step's seed plus the row, counter the token id. That skips writing and
+reading a [batch, vocab] float32 tensor of draws (at batch 256, 155 MB each way) and its kernel.
 
 A small batch splits each row's vocabulary over several programs (one program per row would stream 152k ids on one
 SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The draws do
@@ -15,6 +15,16 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.kernels.decode import _sm_count
+
+
+@triton.jit
+def _exp1(u):
+    """Exp(1) from U uniform in [0, 1) (tl.rand: multiples of 2^-31): -log(1 - U), with the series of -log1p(-U)
+    for small U. 1 - U in float32 rounds to 1 for U <= 2^-25, so -log(1 - U) would give E = 0 (clamped to 1e-10 in
+    the race: log E = -23) with probability 3e-8 instead of 1e-10: any token within 23 nats of the winner could
+    then win: at 150k tokens, up to one step in 200. U = 0 stands for its interval [0, 2^-31): E = 2^-32."""
+    u = tl.maximum(u, 2.3283064365386963e-10)
+    return tl.where(u < 0.0078125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -tl.log(1.0 - u))
 
 
 @triton.jit
@@ -34,7 +44,7 @@ def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, best_ptr, 
         mask = offs < hi
         x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
         if DRAW:
-            e = -tl.log(1.0 - tl.rand(seed, offs))  # Exp(1); U = 0 gives E = 0 (that token wins: its arrival is 0)
+            e = _exp1(tl.rand(seed, offs))
         else:
             e = tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=1.0)
         score = tl.where(mask, x / t - tl.log(tl.maximum(e, 1e-10)), float("-inf"))
