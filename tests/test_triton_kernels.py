@@ -342,3 +342,11 @@ def test_small_batch_linear_dispatch(monkeypatch):
         y = linear(x, w.to(dtype))
         assert bool(calls) == expect, (rows, dtype, strided)
         torch.testing.assert_close(y, F.linear(x, w.to(dtype)))
+
+
+def test_gemv_refuses_the_one_row_kernel_for_more_rows():
+    # the one-row kernel writes row 0 of y alone: forcing it on more rows (a benchmark's row_kernel=True) must fail
+    # before any launch, not return rows of torch.empty
+    from nanovllm.layers.kernels.gemv import gemv
+    with pytest.raises(ValueError, match="row_kernel True"):
+        gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)

@@ -127,9 +127,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m, width = x.shape
     n, k = weight.shape
     if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
-            and (residual is None or (norm is not None and residual.shape == x.shape))):
+            and (residual is None or (norm is not None and residual.shape == x.shape))
+            and (not row_kernel or m == 1)):  # the one-row kernel reads row 0 only
         raise ValueError(f"gemv: x {tuple(x.shape)} (strides {x.stride()}), weight {tuple(weight.shape)}, gated "
-                         f"{gated}, residual {None if residual is None else tuple(residual.shape)} do not fit")
+                         f"{gated}, residual {None if residual is None else tuple(residual.shape)}, row_kernel "
+                         f"{row_kernel} do not fit")
     if row_kernel is None:
         row_kernel = m == 1 and k <= ROW_MAX_K and config is None
     if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
