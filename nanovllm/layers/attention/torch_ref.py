@@ -72,15 +72,17 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _rows_for(self, context: Context, block_size: int):
-        """(blocks, offsets [batch, length] of the cache rows to gather, valid [batch, length]) for a decode step."""
+        """(blocks, offsets [batch, length] of the cache rows to gather, the same as flat row ids [batch * length],
+        valid [batch, length]) for a decode step."""
         if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
             lens = context.context_lens.long()
             length = int(lens.max()) if lens.numel() else 0
             steps = torch.arange(length, device=lens.device).unsqueeze(0)
             pos = torch.minimum(steps, (lens - 1).clamp(min=0).unsqueeze(1))
             blocks = context.block_tables.long().gather(1, pos // block_size).clamp(min=0)
-            self._rows = (context.context_lens, context.block_tables, blocks, pos % block_size,
-                          steps < lens.unsqueeze(1))
+            offsets = pos % block_size
+            self._rows = (context.context_lens, context.block_tables, blocks, offsets,
+                          (blocks * block_size + offsets).flatten(), steps < lens.unsqueeze(1))
         return self._rows[2:]
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
@@ -89,9 +91,14 @@ class TorchAttention(AttentionBackend):
         past a sequence can hold anything, NaN too) and the mask gives them no weight."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.size(2)
-        blocks, offsets, valid = self._rows_for(context, k_cache.size(1))
-        k = raw(k_cache)[blocks, offsets].view(k_cache.dtype)  # [batch, length, kv_heads, head_dim]
-        v = raw(v_cache)[blocks, offsets].view(v_cache.dtype)
+        blocks, offsets, flat, valid = self._rows_for(context, k_cache.size(1))
+
+        def rows(cache: torch.Tensor) -> torch.Tensor:  # [batch, length, kv_heads, head_dim]
+            if cache.is_contiguous():  # index_select over whole rows: about 7x faster on CPU than the 2-D index
+                rows = raw(cache).view(-1, *cache.shape[2:]).index_select(0, flat)
+                return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
+            return raw(cache)[blocks, offsets].view(cache.dtype)  # (an fp8 V, stored token-major)
+        k, v = rows(k_cache), rows(v_cache)
         if k_scale is not None:
             k = dequantize(k, k_scale[blocks, :, offsets])
             v = dequantize(v, v_scale[blocks, :, offsets])
