@@ -9,16 +9,23 @@ from nanovllm.layers.kernels.pdl import pdl_enabled
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up, rounded to dtype as F.silu(gate) * up rounds (once after the SiLU, once after the product);
+    also the one-row linear kernel's (gemv.py)."""
+    gate = gate.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return (silu * up.to(dtype)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the down projection's kernel may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     token, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < inter
-    gate = tl.load(x_ptr + token * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + token * stride_x + inter + col, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)  # rounded as F.silu(gate) * up rounds
-    out = silu * up.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + token * stride_x + col, mask=mask, other=0.0)
+    up = tl.load(x_ptr + token * stride_x + inter + col, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_o + col, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kernels import activation
+from nanovllm.layers.kernels import norm as norm_kernels
 from nanovllm.layers.kernels.pdl import pdl_enabled
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
@@ -82,16 +84,13 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     if GATED:
-        gate = x.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # rounded as F.silu(gate) * up rounds
-        x = (silu * tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0).to(dtype)).to(dtype)
+        x = activation.silu_mul(x, tl.load(x_ptr + K + offs_k, mask=mask_k, other=0.0), dtype)
     if ADD:
         x = (x.to(tl.float32) + tl.load(res_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)).to(dtype)
         if pid == 0:
             tl.store(res_out_ptr + offs_k, x, mask=mask_k)
     if NORM:
-        xf = x.to(tl.float32)
-        x = ((xf * tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)).to(dtype) * nw).to(dtype)
+        x = norm_kernels.rms_normed(x, nw, K, eps, dtype)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     if HAS_BIAS:
         acc += b
@@ -135,8 +134,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if row_kernel is None:
         row_kernel = m == 1 and k <= ROW_MAX_K and config is None
     if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
-        from nanovllm.layers.kernels import activation
-        from nanovllm.layers.kernels import norm as norm_kernels
         new_residual = None
         if gated:
             x = activation.silu_and_mul(x)

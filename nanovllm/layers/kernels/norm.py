@@ -9,6 +9,14 @@ from nanovllm.layers.kernels.pdl import pdl_enabled
 
 
 @triton.jit
+def rms_normed(x, w, n, eps, dtype: tl.constexpr):
+    """rms_norm(x) * w over a whole row in registers (n real elements, the rest zeros), rounded as the reference:
+    normalized in float32, rounded, then scaled; also the one-row linear kernel's (gemv.py)."""
+    xf = x.to(tl.float32)
+    return ((xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)).to(dtype) * w).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next linear layer's kernel may start loading its weights (kernels/pdl.py)
@@ -21,10 +29,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, rms_normed(x, w, n, eps, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
