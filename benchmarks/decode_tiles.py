@@ -66,7 +66,7 @@ def make_case(lens: list[int], kv_dtype, v_layout: str):
 
 def old_equal_splits(batch: int) -> int:
     """The heuristic before fixed-length splits: one run per program, count from the batch size alone."""
-    want = decode.PROGRAMS_PER_SM * decode._sm_count(torch.device("cuda")) // (batch * KV_HEADS)
+    want = decode.PROGRAMS_PER_SM * decode.sm_count(torch.device("cuda")) // (batch * KV_HEADS)
     return max(1, min(want, MAX_MODEL_LEN // decode.MIN_TOKENS_PER_SPLIT, decode.MAX_SPLITS))
 
 

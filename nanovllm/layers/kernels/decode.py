@@ -165,7 +165,7 @@ def _decode_reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_l
 
 
 @functools.lru_cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
@@ -187,7 +187,7 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     length (benchmarks)."""
     if max_split_tokens is None:
         per_sm = PROGRAMS_PER_SM * (2 if quant else 1)
-        want = batch * num_kv_heads * TYPICAL_CONTEXT // (per_sm * _sm_count(device))
+        want = batch * num_kv_heads * TYPICAL_CONTEXT // (per_sm * sm_count(device))
         max_split_tokens = max(triton.next_power_of_2(max(want, 1)), MIN_TOKENS_PER_SPLIT)
         if max_split_tokens > MAX_SPLIT_TOKENS:  # (fp8: at most QUANT_MAX_SPLITS such splits, else none)
             few = triton.cdiv(max(max_context_len, 1), MAX_SPLIT_TOKENS) <= QUANT_MAX_SPLITS

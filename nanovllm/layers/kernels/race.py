@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.decode import _sm_count
+from nanovllm.layers.kernels.decode import sm_count
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
 def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """(chunks per row, tokens per chunk): about two programs per SM in all (so at most 2 x SMs chunks a row),
     chunks of at least 1,024 ids."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if batch >= sms:
         return 1, vocab
     chunks = min(triton.cdiv(vocab, 1024), triton.cdiv(2 * sms, batch))
@@ -111,6 +111,6 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
                                   BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
                                   num_warps=4 if split else 8)
     if split:
-        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(2 * _sm_count(logits.device)),
+        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(2 * sm_count(logits.device)),
                                     num_warps=1)
     return out
