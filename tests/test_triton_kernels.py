@@ -96,10 +96,13 @@ def test_kernels_compile_for_hopper():
 def test_elementwise_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     from nanovllm.layers.kernels import activation, rope
-    for norm in (True, False):
-        _compile_for_hopper(rope._qk_norm_rope_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr")}
-                            | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"},
-                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64), num_warps=4)
+    for norm, store in ((True, True), (True, False), (False, True)):
+        _compile_for_hopper(rope._qk_norm_rope_kernel,
+                            {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr", "v_ptr", "k_cache_ptr",
+                                                  "v_cache_ptr")}
+                            | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i32", "eps": "fp32"},
+                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64, STORE=store, BLOCK_SIZE=256),
+                            num_warps=4)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import norm, race
@@ -255,6 +258,8 @@ def test_gpu_rope_and_silu(tokens, norm):
     check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
     check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")
     check_race(3, 151936, torch.bfloat16, device="cuda")  # split rows
+    from tests.triton_kernel_checks import check_qk_norm_rope_store
+    check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256)
     if tokens == 1:
         from tests.triton_kernel_checks import check_race_draws
         check_race_draws(torch.bfloat16, device="cuda", rows=20000, vocab=151936)

@@ -231,6 +231,29 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
     assert torch.equal(v, v_before), "the rotary kernel wrote into v"
 
 
+def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int = 16):
+    """The rotary kernel writing the K/V cache itself: the cache afterwards equals the rotary kernel then
+    store_kvcache's (skipped slots -1 untouched), q and k as without the store."""
+    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    from nanovllm.layers.kernels.store_kvcache import store_kvcache
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    heads, kv_heads, head_dim = 4, 3, 64
+    rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    q_w, k_w = (torch.rand(head_dim, dtype=dtype, device=device) + 0.5 for _ in range(2))
+    slots = torch.randperm(8 * block_size, device=device)[:tokens].to(torch.int32)
+    slots[tokens // 2] = -1
+    caches = [torch.randn(8, block_size, kv_heads, head_dim, device=device).to(dtype) for _ in range(2)]
+    want_cache = [c.clone() for c in caches]
+    q2, k2 = q.clone(), k.clone()
+    qk_norm_rope_(q2, k2, positions, rope.cos_sin_cache, q_w, k_w, 1e-6)
+    store_kvcache(k2, v, *want_cache, slots)
+    qk_norm_rope_(q, k, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, store=(v, *caches, slots))
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    assert torch.equal(caches[0], want_cache[0]) and torch.equal(caches[1], want_cache[1])
+
+
 def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
     from nanovllm.layers.activation import silu_and_mul as reference_silu
     from nanovllm.layers.kernels.activation import silu_and_mul
@@ -408,6 +431,11 @@ def test_gemv_fused_kernel(m, n, k, dtype):
 
 def test_decoder_layer_small_batch():
     check_decoder_layer_small_batch(1, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kernel(dtype):
+    check_qk_norm_rope_store(5, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

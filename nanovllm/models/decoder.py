@@ -88,14 +88,18 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.fused_rope is not None:
+        stored = False
+        if self.fused_rope is not None:  # (and the K/V store, for a 16-bit cache: Attention.store_target)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-            q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms)
+            target = self.attn.store_target()
+            q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,
+                                   store=(v, *target) if target is not None else None)
+            stored = target is not None
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+        o = self.attn(q, k, v, stored=stored)
         return self.o_proj(o.flatten(1, -1))
 
 

@@ -46,11 +46,21 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scales = {"k_scale": k_scale, "v_scale": v_scale} if k_scale is not None else {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+    def store_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) when the q/k rotary kernel may write this step's K/V itself
+        (kernels/rope.py: a 16-bit cache on the Triton backend), else None."""
+        context = get_context()
+        if (self.k_cache.numel() and context.slot_mapping is not None and not self.scales
+                and self.backend is not None and self.backend.name == "triton"):
+            return self.k_cache, self.v_cache, context.slot_mapping
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+        """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]. stored:
+        the new K/V are already in the cache (store_target)."""
         context = get_context()
         k_cache, v_cache = self.k_cache, self.v_cache
-        if k_cache.numel() and context.slot_mapping is not None:
+        if not stored and k_cache.numel() and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, **self.scales)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale, **self.scales)
