@@ -75,14 +75,11 @@ def test_kernels_compile_for_hopper():
                 decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
                 | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
                 | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
-                | {n: "*i32" for n in ("context_lens_ptr", "table_ptr")},
+                | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
                      V_TOKEN_MAJOR=v_token_major, PDL=True),
                 num_warps=warps, num_stages=stages)
-    _compile_for_hopper(decode._decode_reduce_kernel, {"o_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                                       "part_acc_ptr": "*fp32", "context_lens_ptr": "*i32"},
-                        dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_N=64, PDL=True), num_warps=4)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",
@@ -96,13 +93,15 @@ def test_kernels_compile_for_hopper():
 def test_elementwise_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     from nanovllm.layers.kernels import activation, rope
-    for norm, store in ((True, True), (True, False), (False, True)):
+    for norm, store, quant in ((True, True, False), (True, False, False), (False, True, False), (True, True, True)):
+        cache = "*fp8e4nv" if quant else "*bf16"
         _compile_for_hopper(rope._qk_norm_rope_kernel,
-                            {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr", "v_ptr", "k_cache_ptr",
-                                                  "v_cache_ptr")}
-                            | {"positions_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i32", "eps": "fp32"},
-                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64, STORE=store, BLOCK_SIZE=256),
-                            num_warps=4)
+                            {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")}
+                            | {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32",
+                               "v_scale_ptr": "*fp32", "positions_ptr": "*i64", "cache_ptr": "*fp32",
+                               "slot_ptr": "*i32", "eps": "fp32"},
+                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64, STORE=store, BLOCK_SIZE=256,
+                                 QUANT=quant, FP8_MAX=448.0), num_warps=4)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import norm, race
@@ -260,6 +259,8 @@ def test_gpu_rope_and_silu(tokens, norm):
     check_race(3, 151936, torch.bfloat16, device="cuda")  # split rows
     from tests.triton_kernel_checks import check_qk_norm_rope_store
     check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256)
+    check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256,
+                             kv_dtype=torch.float8_e4m3fn)
     if tokens == 1:
         from tests.triton_kernel_checks import check_race_draws
         check_race_draws(torch.bfloat16, device="cuda", rows=20000, vocab=151936)

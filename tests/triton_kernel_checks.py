@@ -231,27 +231,36 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
     assert torch.equal(v, v_before), "the rotary kernel wrote into v"
 
 
-def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int = 16):
+def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int = 16, kv_dtype=None):
     """The rotary kernel writing the K/V cache itself: the cache afterwards equals the rotary kernel then
-    store_kvcache's (skipped slots -1 untouched), q and k as without the store."""
+    store_kvcache's (skipped slots -1 untouched), q and k as without the store. kv_dtype fp8: V token-major as the
+    engine stores it, and the scales too."""
+    from nanovllm.layers.attention import fp8
     from nanovllm.layers.kernels.rope import qk_norm_rope_
     from nanovllm.layers.kernels.store_kvcache import store_kvcache
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     heads, kv_heads, head_dim = 4, 3, 64
     rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
     q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
+    v.mul_(3.0)  # (K and V of different magnitudes: a scale written to the wrong tensor shows)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     q_w, k_w = (torch.rand(head_dim, dtype=dtype, device=device) + 0.5 for _ in range(2))
     slots = torch.randperm(8 * block_size, device=device)[:tokens].to(torch.int32)
     slots[tokens // 2] = -1
-    caches = [torch.randn(8, block_size, kv_heads, head_dim, device=device).to(dtype) for _ in range(2)]
-    want_cache = [c.clone() for c in caches]
+    caches = [torch.randn(8, block_size, kv_heads, head_dim, device=device).to(kv_dtype or dtype) for _ in range(2)]
+    scales = []
+    if kv_dtype is not None:
+        caches[1] = fp8.token_major(caches[1])
+        scales = [torch.rand(8, kv_heads, block_size, device=device) for _ in range(2)]
+    want_cache = [c.clone() if c.is_contiguous() else fp8.token_major(c) for c in caches]
+    want_scales = [s.clone() for s in scales]
     q2, k2 = q.clone(), k.clone()
     qk_norm_rope_(q2, k2, positions, rope.cos_sin_cache, q_w, k_w, 1e-6)
-    store_kvcache(k2, v, *want_cache, slots)
-    qk_norm_rope_(q, k, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, store=(v, *caches, slots))
+    store_kvcache(k2, v, *want_cache, slots, *want_scales)
+    qk_norm_rope_(q, k, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, store=(v, *caches, slots, *scales))
     assert torch.equal(q, q2) and torch.equal(k, k2)
-    assert torch.equal(caches[0], want_cache[0]) and torch.equal(caches[1], want_cache[1])
+    for got, want in zip(caches + scales, want_cache + want_scales):
+        assert torch.equal(fp8.raw(got), fp8.raw(want))
 
 
 def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
@@ -436,6 +445,7 @@ def test_decoder_layer_small_batch():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_kernel(dtype):
     check_qk_norm_rope_store(5, dtype)
+    check_qk_norm_rope_store(5, dtype, kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -46,13 +46,14 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scales = {"k_scale": k_scale, "v_scale": v_scale} if k_scale is not None else {}
 
-    def store_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k_cache, v_cache, slot_mapping) when the q/k rotary kernel may write this step's K/V itself
-        (kernels/rope.py: a 16-bit cache on the Triton backend), else None."""
+    def store_target(self) -> tuple[torch.Tensor, ...] | None:
+        """(k_cache, v_cache, slot_mapping[, k_scale, v_scale]) when the q/k rotary kernel may write this step's K/V
+        itself (kernels/rope.py, Triton backend: a 16-bit cache, or an fp8 one in decode steps, whose scattered
+        slots store_kvcache writes byte by byte too), else None."""
         context = get_context()
-        if (self.k_cache.numel() and context.slot_mapping is not None and not self.scales
-                and self.backend is not None and self.backend.name == "triton"):
-            return self.k_cache, self.v_cache, context.slot_mapping
+        if (self.k_cache.numel() and context.slot_mapping is not None and self.backend is not None
+                and self.backend.name == "triton" and not (self.scales and context.is_prefill)):
+            return self.k_cache, self.v_cache, context.slot_mapping, *self.scales.values()
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:

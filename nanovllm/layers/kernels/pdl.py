@@ -5,7 +5,7 @@ it reads anything that kernel wrote or writes anything (a buffer it writes may b
 
 Only the one-row linear kernel (gemv.py) is launched this way: it loads its slice of W, which no kernel writes,
 before gdc_wait, so a batch-1 step reads the next layer's weights while the current kernel finishes. The kernels
-that run before a linear layer (RMSNorm, SiLU-and-mul, decode attention and its merge) trigger their dependents
+that run before a linear layer (RMSNorm, SiLU-and-mul, decode attention) trigger their dependents
 as they start. Both are no-ops in a kernel not launched that way. CUDA graphs keep the launch attribute."""
 import functools
 import os

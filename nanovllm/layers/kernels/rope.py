@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kernels.store_kvcache import row_scale, to_fp8
+
 
 @triton.jit
 def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, num_heads, cos, sin, eps,
@@ -30,11 +32,28 @@ def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, num_heads, cos, sin, 
 
 
 @triton.jit
+def _store_halves(cache_ptr, scale_ptr, x1, x2, rows, step_d, scale_dst, mask_h,
+                  QUANT: tl.constexpr, FP8_MAX: tl.constexpr, HALF: tl.constexpr):
+    """One token's heads [BLOCK_H, HALF] x 2 into the cache at rows (+ d * step_d); fp8: with the row scales that
+    store_kvcache.py computes (amax over the whole head)."""
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))
+        scale = row_scale(amax, FP8_MAX)
+        x1 = to_fp8(x1, scale, FP8_MAX, cache_ptr.dtype.element_ty)
+        x2 = to_fp8(x2, scale, FP8_MAX, cache_ptr.dtype.element_ty)
+        tl.store(scale_ptr + scale_dst, scale, mask=mask_h)
+    tl.store(cache_ptr + rows, x1, mask=mask_h[:, None])
+    tl.store(cache_ptr + rows + HALF * step_d, x2, mask=mask_h[:, None])
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-                         slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
-                         stride_cb, stride_cs, stride_ch, num_q_heads, num_k_heads, eps,
+                         k_scale_ptr, v_scale_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_cache, stride_kb, stride_ks, stride_kh_c, stride_vb, stride_vs,
+                         stride_vh_c, stride_vd, stride_sb, stride_sh, num_q_heads, num_k_heads, eps,
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-                         STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                         STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF)
@@ -43,18 +62,22 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
     _rotate_heads(q_ptr, q_w_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, eps, NORM, BLOCK_HQ, HALF)
     k1, k2 = _rotate_heads(k_ptr, k_w_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, eps, NORM, BLOCK_HK,
                            HALF)
-    if STORE:  # the token's K and V rows into a 16-bit paged cache, as store_kvcache.py would (slot -1: skip)
+    if STORE:  # the token's K and V rows into the paged cache, as store_kvcache.py would (slot -1: skip)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             offs_h = tl.arange(0, BLOCK_HK)
-            mask = (offs_h < num_k_heads)[:, None]
-            row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + offs_h[:, None] * stride_ch \
-                + offs_d[None, :]
-            tl.store(k_cache_ptr + row, k1, mask=mask)
-            tl.store(k_cache_ptr + row + HALF, k2, mask=mask)
+            mask_h = offs_h < num_k_heads
+            mask = mask_h[:, None]
             v = v_ptr + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            tl.store(v_cache_ptr + row, tl.load(v, mask=mask, other=0.0), mask=mask)
-            tl.store(v_cache_ptr + row + HALF, tl.load(v + HALF, mask=mask, other=0.0), mask=mask)
+            v1 = tl.load(v, mask=mask, other=0.0)
+            v2 = tl.load(v + HALF, mask=mask, other=0.0)
+            scale_dst = block * stride_sb + offs_h * stride_sh + offset
+            _store_halves(k_cache_ptr, k_scale_ptr, k1, k2, block * stride_kb + offset * stride_ks
+                          + offs_h[:, None] * stride_kh_c + offs_d[None, :], 1, scale_dst, mask_h, QUANT, FP8_MAX, HALF)
+            _store_halves(v_cache_ptr, v_scale_ptr, v1, v2, block * stride_vb + offset * stride_vs
+                          + offs_h[:, None] * stride_vh_c + offs_d[None, :] * stride_vd, stride_vd, scale_dst, mask_h,
+                          QUANT, FP8_MAX, HALF)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -63,26 +86,32 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] (views of the qkv projection are fine: the
     last dimension must be contiguous); positions [tokens] int64; cos_sin_cache [max_position, head_dim] float32.
     With q_weight/k_weight, each head is RMS-normalized (eps) and scaled first. Writes q and k in place and
-    returns them. store=(v, k_cache, v_cache, slot_mapping): also writes each token's rotated K and its V into a
-    16-bit paged cache [num_blocks, block_size, kv_heads, head_dim] (both caches with the same strides) at its
-    slot, as store_kvcache does: one kernel fewer per layer."""
+    returns them. store=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]): also writes each token's rotated
+    K and its V into the paged cache [num_blocks, block_size, kv_heads, head_dim] (K unit-stride along head_dim,
+    V any layout) at its slot, fp8 with its scales, as store_kvcache does: one kernel fewer per layer. (One
+    program per token stores a token-major V byte by byte: decode steps only, where store_kvcache does the same.)"""
     tokens, num_q_heads, head_dim = q.shape
     if tokens == 0:
         return q, k
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
     norm = q_weight is not None
-    v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
-    if store is not None and not (v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-                                  and k_cache.stride(-1) == 1 and slots.numel() == tokens):
-        raise ValueError("qk_norm_rope_(store=...) takes unit-stride V rows, two caches of one layout and a slot "
-                         "per token")
+    v, k_cache, v_cache, slots, *scales = store if store is not None else (k, k, k, positions)
+    quant = bool(scales)
+    if store is not None and not (v.stride(-1) == 1 and k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
+                                  and slots.numel() == tokens and len(scales) in (0, 2)
+                                  and (not quant or scales[0].stride() == scales[1].stride())):
+        raise ValueError("qk_norm_rope_(store=...) takes unit-stride V rows, two caches of one shape (K unit-stride "
+                         "along head_dim), a slot per token and, for fp8, two scale tensors of one layout")
+    k_scale, v_scale = scales if quant else (k, k)
     _qk_norm_rope_kernel[(tokens,)](
-        q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, v, k_cache, v_cache, slots,
+        q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, v, k_cache, v_cache,
+        k_scale, v_scale, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1) if store is not None else 0, k_cache.stride(2) if store is not None
-        else 0, num_q_heads, k.size(1), eps,
+        *(k_cache.stride()[:3] if store is not None else (0, 0, 0)), *(v_cache.stride() if store is not None else
+                                                                      (0, 0, 0, 0)),
+        *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, k.size(1), eps,
         NORM=norm, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.size(1)),
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
-        num_warps=4,
+        QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=4,
     )
     return q, k

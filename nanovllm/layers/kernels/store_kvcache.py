@@ -14,13 +14,24 @@ BLOCK_T = 16
 
 
 @triton.jit
+def row_scale(amax, FP8_MAX: tl.constexpr):
+    """A row's fp8 scale from its largest magnitude (layers/attention/fp8.py's quantize)."""
+    return tl.maximum(amax / FP8_MAX, 1e-12)
+
+
+@triton.jit
+def to_fp8(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    """x [rows, d] / its rows' scales, in the cache's fp8 dtype (round to nearest, as torch does)."""
+    x = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _quantize(x, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
     """x [BLOCK_T, HEAD_DIM] -> (values in the cache's dtype, one scale per row; 1.0 without QUANT)."""
     if QUANT:
-        x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX, 1e-12)  # [BLOCK_T]
-        x = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-        return x.to(dtype, fp_downcast_rounding="rtne"), scale  # round to nearest, as torch does
+        scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 1), FP8_MAX)  # [BLOCK_T]
+        return to_fp8(x, scale, FP8_MAX, dtype), scale
     return x.to(dtype), tl.full([x.shape[0]], 1.0, tl.float32)
 
 
