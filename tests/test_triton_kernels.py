@@ -69,8 +69,9 @@ def test_kernels_compile_for_hopper():
                                        (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
                                        (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
-        for v_token_major in (False, True) if kv else (False,):  # the engine's fp8 V is token-major
-            block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major)
+        for v_token_major, batch in ((False, 256), (True, 256)) if kv else ((False, 256), (False, 16)):
+            # (the engine's fp8 V is token-major; 16-bit: the small-batch tile too)
+            block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major, batch)
             _compile_for_hopper(
                 decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
                 | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}

@@ -218,13 +218,16 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     return triton.cdiv(tiles, split_tiles), split_tiles
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major: bool = True) -> tuple[int, int, int]:
+def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major: bool = True,
+                   batch: int = 256) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
     if quant:  # the fastest on an H200 from batch 16 to 256 (benchmarks/decode_tiles.py; docs/benchmarks.md)
         return (128, 4, 2) if v_token_major else (128, 2, 2)
-    return 64, 4, 3
+    # small batches: short splits of few tiles, where 2 warps and 2 stages won (16 x 512: 18.3 us against 20.9;
+    # 1 x 512: 10.2 both)
+    return (64, 2, 2) if batch <= 16 else (64, 4, 3)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
@@ -257,7 +260,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     quant = k_scale is not None
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-    block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1)
+    block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)
     if num_splits is None:
         num_splits, split_tiles = decode_splits(batch, num_kv_heads, max_context_len, block_n, q.device,
                                                 max_split_tokens, quant)
