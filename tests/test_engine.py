@@ -216,10 +216,18 @@ def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     running = llm.stream([prompt], sp)
     next(running), next(running)  # the first request is decoding; both its blocks are cached
-    written = []
+    written = []  # every slot the step writes: through the store kernel, or the rotary kernel (Triton, CUDA)
     store = llm.executor.runner.backend.store_kvcache
     llm.executor.runner.backend.store_kvcache = lambda k, v, kc, vc, slots: (written.extend(slots.tolist()),
                                                                           store(k, v, kc, vc, slots))
+    from nanovllm.layers.attention import Attention
+    for attn in (m for m in llm.executor.runner.model.modules() if isinstance(m, Attention)):
+        def target(original=attn.store_target):
+            found = original()
+            if found is not None:
+                written.extend(found[2].tolist())
+            return found
+        attn.store_target = target
     bm = llm.scheduler.block_manager
     seq = llm.add_request(prompt, sp)
     llm.step()  # the second request's prefill

@@ -103,6 +103,17 @@ def test_greedy_equals_tp1_and_transformers(request, engine, path):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
+def test_fp8_kv_cache_under_tp_equals_tp1(qwen3_untied_mha):
+    # the 8-bit cache is sharded by KV head: each rank quantizes its own heads with the per-(token, head) scales one
+    # rank would use, so greedy tokens equal TP=1's with the same cache (chunked prefill reads history back too)
+    prompts = _prompts(5, [3, 17, 70, 200])
+    options = dict(TP_OPTIONS, kv_cache_dtype="fp8", max_num_batched_tokens=128)
+    with LLM(qwen3_untied_mha, **options) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(qwen3_untied_mha, **{**options, "tensor_parallel_size": 1}) as single:
+        assert _tokens(outs) == _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
+
+
 def test_prefix_cache_hit_and_a_channel_that_grows(tp_tied, qwen3_tied):
     base = _prompts(1, [50])[0]
     assert tp_tied.generate([base], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 0

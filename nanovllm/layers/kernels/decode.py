@@ -130,7 +130,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         tl.store(part_m_ptr + part + split, m_i, mask=mask_g)
         tl.store(part_l_ptr + part + split, l_i, mask=mask_g)
         tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
-        used = tl.cdiv(tl.cdiv(context_len, BLOCK_N), tiles_per_split)  # the splits that hold part of the context
+        # the splits that hold part of the context (at most all of them, should a context pass the caller's bound:
+        # a wrong answer then, but the counter still goes back to zero)
+        used = tl.minimum(tl.cdiv(tl.cdiv(context_len, BLOCK_N), tiles_per_split), num_splits)
         counter = count_ptr + seq * tl.num_programs(1) + kv_head
         tl.debug_barrier()  # every thread's partials are written before this program counts itself (release)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last split merges
@@ -177,6 +179,7 @@ def sm_count(device: torch.device) -> int:
 
 
 _split_counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -188,6 +191,8 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode split counters first needed inside CUDA graph capture: run the batch size "
                                "eagerly first")
+        if buf is not None:  # graphs captured with the old buffer still address it: keep it alive
+            _retired_counters.append(buf)
         buf = _split_counters[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
 
@@ -270,10 +275,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device, batch * num_kv_heads)
     else:
         part_m = part_l = part_acc = out  # unused
-        counters = context_lens
+    counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, counters, context_lens, block_tables,
