@@ -211,7 +211,8 @@ def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_t
 
 
 def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
-    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
+    # (the plain loop: with async scheduling, CUDA's default, llm.step() returns before the new request's prefill)
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128, async_scheduling=False)
     prompt = _prompts(14, [32])[0]  # exactly two full blocks
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     running = llm.stream([prompt], sp)
