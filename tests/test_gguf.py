@@ -178,3 +178,34 @@ def test_gguf_tensor_with_no_place_in_the_model(tiny_llama, gguf_cache, tmp_path
     with pytest.raises(ValueError, match="GGUF tensor 'blk.0.attn_extra.weight' has no place"):
         LLM(path)
     assert os.listdir(os.path.join(gguf_cache, "gguf")) == []  # no half-converted entry is left to be reused
+
+
+def test_a_converted_tokenizer_loads_without_autotokenizer(tiny_llama, monkeypatch):
+    # The conversion records which class AutoTokenizer builds from the files it wrote; later loads name that class
+    # (a generic one) instead of importing AutoTokenizer's registry: the same tokenizer, faster.
+    import json
+
+    from transformers import AutoTokenizer
+
+    from nanovllm.utils import loader
+    path = tiny_llama[1]
+    directory = nv_gguf.gguf_checkpoint_dir(path)
+    reference = AutoTokenizer.from_pretrained(directory)
+    assert loader.recorded_tokenizer_class(directory) == type(reference).__name__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer was used"))
+    tokenizer = loader.load_tokenizer(path)
+    assert type(tokenizer) is type(reference) and tokenizer.chat_template == reference.chat_template
+    text = "Hello world! The capital of France is Paris. café 東京"
+    assert tokenizer.encode(text) == reference.encode(text) and tokenizer.decode(reference.encode(text)) == text
+    assert tokenizer.all_special_tokens == reference.all_special_tokens
+    assert tokenizer.eos_token_id == reference.eos_token_id and tokenizer.bos_token_id == reference.bos_token_id
+    # a record from another transformers version, or naming a class that is not generic: AutoTokenizer decides
+    record = os.path.join(directory, loader.TOKENIZER_RECORD)
+    with open(record) as f:
+        saved = json.load(f)
+    for changed in ({**saved, "transformers": "0.0"}, {**saved, "tokenizer_class": "LlamaTokenizer"}):
+        with open(record, "w") as f:
+            json.dump(changed, f)
+        assert loader.recorded_tokenizer_class(directory) is None
+    with open(record, "w") as f:
+        json.dump(saved, f)

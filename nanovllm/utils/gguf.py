@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger("nanovllm")
 
 GGUF_MAGIC = b"GGUF"
-_CONVERTER_VERSION = 2  # bump when the cached layout or the conversion changes
+_CONVERTER_VERSION = 3  # bump when the cached layout or the conversion changes (3: the tokenizer record)
 _SOURCE_FILE = "gguf_source.json"  # in each cache entry: which file it came from
 
 # general.architecture -> the Hugging Face class our registry builds for it
@@ -201,12 +201,20 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]):
 
 
 def _save_tokenizer(path: str, out_dir: str) -> None:
+    """The GGUF's tokenizer as Hugging Face files, and which class AutoTokenizer builds from them (loader.py's
+    TOKENIZER_RECORD: later loads may name that class instead of importing AutoTokenizer)."""
+    import transformers
     from transformers import AutoTokenizer
+
+    from nanovllm.utils.loader import TOKENIZER_RECORD
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from GGUF file {path!r}: {type(e).__name__}: {e}") from e
     tokenizer.save_pretrained(out_dir)
+    picked = type(AutoTokenizer.from_pretrained(out_dir)).__name__
+    with open(os.path.join(out_dir, TOKENIZER_RECORD), "w") as f:
+        json.dump({"tokenizer_class": picked, "transformers": transformers.__version__}, f)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
