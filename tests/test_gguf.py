@@ -191,7 +191,7 @@ def test_a_converted_tokenizer_loads_without_autotokenizer(tiny_llama, monkeypat
     path = tiny_llama[1]
     directory = nv_gguf.gguf_checkpoint_dir(path)
     reference = AutoTokenizer.from_pretrained(directory)
-    assert loader.recorded_tokenizer_class(directory) == type(reference).__name__
+    assert nv_gguf.recorded_tokenizer_class(directory) == type(reference).__name__
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer was used"))
     tokenizer = loader.load_tokenizer(path)
     assert type(tokenizer) is type(reference) and tokenizer.chat_template == reference.chat_template
@@ -200,12 +200,12 @@ def test_a_converted_tokenizer_loads_without_autotokenizer(tiny_llama, monkeypat
     assert tokenizer.all_special_tokens == reference.all_special_tokens
     assert tokenizer.eos_token_id == reference.eos_token_id and tokenizer.bos_token_id == reference.bos_token_id
     # a record from another transformers version, or naming a class that is not generic: AutoTokenizer decides
-    record = os.path.join(directory, loader.TOKENIZER_RECORD)
+    record = os.path.join(directory, nv_gguf.TOKENIZER_RECORD)
     with open(record) as f:
         saved = json.load(f)
     for changed in ({**saved, "transformers": "0.0"}, {**saved, "tokenizer_class": "LlamaTokenizer"}):
         with open(record, "w") as f:
             json.dump(changed, f)
-        assert loader.recorded_tokenizer_class(directory) is None
+        assert nv_gguf.recorded_tokenizer_class(directory) is None
     with open(record, "w") as f:
         json.dump(saved, f)

@@ -54,31 +54,10 @@ def check_tokenizer_files(model: str) -> None:
                       "model's tokenizer files into it, or pass load_format='dummy' to run on token ids only")
 
 
-# A GGUF conversion records the tokenizer class AutoTokenizer picked for it (utils/gguf.py). When that is one of
-# transformers' generic classes, later loads name the class directly: importing AutoTokenizer pulls in transformers'
-# model registry and generation stack, 3.5 s on a 2-core CPU, against 0.1 s for the class.
-TOKENIZER_RECORD = "nanovllm_tokenizer.json"
-DIRECT_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def recorded_tokenizer_class(path: str) -> str | None:
-    """The class AutoTokenizer picked for the checkpoint at `path`, as recorded there under the same transformers
-    version, if it is a generic class that can be named directly; else None."""
-    from importlib.metadata import version
-    try:
-        with open(os.path.join(path, TOKENIZER_RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    name = record.get("tokenizer_class") if isinstance(record, dict) else None
-    if name not in DIRECT_TOKENIZER_CLASSES or record.get("transformers") != version("transformers"):
-        return None
-    return name
-
-
 def load_tokenizer(model: str):
     check_tokenizer_files(model)
     path = resolve_checkpoint(model)
+    from nanovllm.utils.gguf import recorded_tokenizer_class
     name = recorded_tokenizer_class(path)
     if name is not None:
         import transformers
