@@ -1,6 +1,7 @@
 """The fused small ops (Triton kernels, torch.compile for the rest) are switched on only where asked (the CUDA
 runner) and switch back."""
 import pytest
+import torch
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul, silu_and_mul
@@ -59,3 +60,23 @@ def test_decoder_attention_fuses_norm_and_rope_when_compiled():
         assert attn.fused_rope is fused
         use_compiled_ops(attn, False)
         assert attn.fused_rope is None
+
+
+def test_cpu_linear_of_a_few_rows_equals_f_linear():
+    # CPU, 2-64 float32 rows: (W @ x^T)^T (a faster MKL path); other shapes F.linear. Same values, contiguous rows.
+    import torch.nn.functional as F
+
+    from nanovllm.layers import linear as linear_module
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 40), torch.randn(96)
+    calls = []
+    mm = torch.mm
+    for rows in (1, 2, 7, linear_module.CPU_TRANSPOSED_ROWS, linear_module.CPU_TRANSPOSED_ROWS + 1):
+        x = torch.randn(rows, 40)
+        for bias in (None, b):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(torch, "mm", lambda *a, rows=rows: calls.append(rows) or mm(*a))
+                y = linear_module.linear(x, w, bias)
+            assert y.shape == (rows, 96) and y.is_contiguous()
+            torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    assert sorted(set(calls)) == [2, 7, linear_module.CPU_TRANSPOSED_ROWS]  # (addmm when there is a bias)

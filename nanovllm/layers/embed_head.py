@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import matmul_fn
+from nanovllm.layers.linear import linear, matmul_fn
 from nanovllm.utils.context import get_context
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.utils.loader import check_weight_shape
@@ -40,7 +40,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if bias:
             raise ValueError("LM heads with a bias are not supported")
-        self.matmul = F.linear
+        self.matmul = linear
 
     def use_compiled(self, enabled: bool = True):
         self.matmul = matmul_fn(enabled)  # the logits of a few rows: as the linear layers

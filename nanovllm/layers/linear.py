@@ -22,11 +22,25 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] == 1 and small_batch_rows(x, weight)
 
 
+CPU_TRANSPOSED_ROWS = 64  # on CPU, 2 to this many float32 rows are multiplied as (W @ x^T)^T (linear below)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CPU, 2-64 float32 rows (decode) as (W @ x^T)^T, which MKL runs as a tall-skinny product that
+    streams W at twice the rate: on 2 cores (AVX2 EPYC) the bundled 135M model's matmuls per decode step took 83 ms
+    at 4 rows with F.linear and 46 ms so (16 rows: 97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both)."""
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_ROWS and \
+            x.dtype == torch.float32:
+        y = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
+        return y.t().contiguous()
+    return F.linear(x, weight, bias)
+
+
 def matmul_fn(small_batch_kernel: bool):
-    """F.linear, or (CUDA runs) F.linear with a few 16-bit rows (small-batch decode) through the Triton kernel of
+    """linear, or (CUDA runs) F.linear with a few 16-bit rows (small-batch decode) through the Triton kernel of
     layers/kernels/gemv.py."""
     if not small_batch_kernel:
-        return F.linear
+        return linear
     from nanovllm.layers.kernels import gemv
 
     def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +62,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.matmul = F.linear
+        self.matmul = linear
 
     def use_compiled(self, enabled: bool = True):
         self.matmul = matmul_fn(enabled)
