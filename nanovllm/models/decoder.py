@@ -89,7 +89,7 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         stored = False
-        if self.fused_rope is not None:  # (and the K/V store, for a 16-bit cache: Attention.store_target)
+        if self.fused_rope is not None:  # (and the K/V store where Attention.store_target allows it)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             target = self.attn.store_target()
             q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,

@@ -225,7 +225,8 @@ def recorded_tokenizer_class(path: str) -> str | None:
 def _save_tokenizer(path: str, out_dir: str) -> None:
     """The GGUF's tokenizer as Hugging Face files, and which class AutoTokenizer builds from them
     (TOKENIZER_RECORD: later loads may name that class instead of importing AutoTokenizer)."""
-    import transformers
+    from importlib.metadata import version
+
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -234,7 +235,7 @@ def _save_tokenizer(path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     picked = type(AutoTokenizer.from_pretrained(out_dir)).__name__
     with open(os.path.join(out_dir, TOKENIZER_RECORD), "w") as f:
-        json.dump({"tokenizer_class": picked, "transformers": transformers.__version__}, f)
+        json.dump({"tokenizer_class": picked, "transformers": version("transformers")}, f)  # (as read back)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

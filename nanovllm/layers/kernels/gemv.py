@@ -10,7 +10,8 @@ One row (batch-1 decode, K up to ROW_MAX_K) has its own kernel, which loads each
 once, folds in the op before the layer (RMSNorm + residual add, SiLU-and-mul: the decoder's forward_small) and
 starts early under programmatic dependent launch (kernels/pdl.py). `benchmarks/small_gemm.py --chain` on an H200,
 a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-row kernel, 463 with the folds and
-PDL. (Folding the norm into the general kernel made 2-16 rows 2-3x slower: each program re-read x to normalize.)
+PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
+program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
 """
 import torch
 import triton
