@@ -128,8 +128,9 @@ def test_missing_model_path(tmp_path):
 
 
 def _parameters(llm) -> dict:
-    """The engine's model parameters by name (an engine internal)."""
-    return dict(llm.executor.runner.model.named_parameters())
+    """The engine's model parameters by name (an engine internal), dense (on CPU the linear layers' are packed for
+    oneDNN: layers/cpu_weights.py)."""
+    return {name: p.to_dense() if p.is_mkldnn else p for name, p in llm.executor.runner.model.named_parameters()}
 
 
 def test_dummy_weights_run(qwen3_tied):

@@ -11,6 +11,7 @@ from nanovllm.engine import kv_cache
 from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.warmup import warmup_prefill_variants
+from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.compile import use_compiled_ops
@@ -52,6 +53,7 @@ class ModelRunner:
                 torch.empty(1, device=self.device)  # creates the context
         with self._phase("load"):
             self.model = self._load_model()
+            cpu_weights.pack(self.model)  # CPU float32: oneDNN's layout (a no-op elsewhere)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device, is_fp8(config.kv_cache_torch_dtype))
         self.backend.check_head_dim(self.attn_layers[0].head_dim)
@@ -131,8 +133,12 @@ class ModelRunner:
         """Copy (name, tensor) pairs, or a checkpoint directory's tensors, into this rank's shards in place (CUDA
         graphs keep pointing at the same memory)."""
         source = weights if isinstance(weights, str) else "update_weights"
-        load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
-                           require_all)
+        cpu_weights.unpack(self.model)
+        try:
+            load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
+                               require_all)
+        finally:
+            cpu_weights.pack(self.model)
         if self.is_cuda:
             torch.cuda.synchronize()
 
@@ -144,6 +150,7 @@ class ModelRunner:
             layer.bind(torch.tensor([]), torch.tensor([]))
         self.kv_cache = self.kv_scale = None
         if level == 2 or self.is_cuda:
+            cpu_weights.unpack(self.model)
             self.offloaded = {}
             for name, param in self.model.named_parameters():
                 if level == 1:

@@ -35,12 +35,14 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the hidden rows the step asks for (Context.logits_indices; every row when None); rank 0 gathers."""
+    packs_on_cpu = True  # layers/cpu_weights.py; tied to the embedding, the head packs a copy (self.packed)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         super().__init__(num_embeddings, embedding_dim)
         if bias:
             raise ValueError("LM heads with a bias are not supported")
         self.matmul = linear
+        self.packed: torch.Tensor | None = None  # a tied head's oneDNN copy on CPU (layers/cpu_weights.py)
 
     def use_compiled(self, enabled: bool = True):
         self.matmul = matmul_fn(enabled)  # the logits of a few rows: as the linear layers
@@ -49,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         indices = None if all_rows else get_context().logits_indices
         if indices is not None:
             x = x[indices]
-        logits = self.matmul(x, self.weight)
+        logits = self.matmul(x, self.weight if self.packed is None else self.packed)
         if self.tp_size == 1:
             return logits
         parts = self.tp_group.gather(logits, 0)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import cpu_weights
 from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.utils.loader import check_weight_shape
 
@@ -28,7 +29,10 @@ CPU_TRANSPOSED_ROWS = 64  # on CPU, 2 to this many float32 rows are multiplied a
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on CPU, 2-64 float32 rows (decode) as (W @ x^T)^T, which MKL runs as a tall-skinny product that
     streams W at twice the rate: on 2 cores (AVX2 EPYC) the bundled 135M model's matmuls per decode step took 83 ms
-    at 4 rows with F.linear and 46 ms so (16 rows: 97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both)."""
+    at 4 rows with F.linear and 46 ms so (16 rows: 97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both).
+    A weight the runner packed for oneDNN (layers/cpu_weights.py, faster still) goes there."""
+    if weight.is_mkldnn:
+        return cpu_weights.linear(x, weight, bias)
     if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_ROWS and \
             x.dtype == torch.float32:
         y = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
@@ -49,6 +53,8 @@ def matmul_fn(small_batch_kernel: bool):
 
 
 class LinearBase(nn.Module):
+    packs_on_cpu = True  # layers/cpu_weights.py packs the weight for oneDNN (float32 on CPU)
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim

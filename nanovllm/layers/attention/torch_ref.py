@@ -26,6 +26,7 @@ class TorchAttention(AttentionBackend):
         # the step's tensor, so the next step (a new tensor) recomputes it.
         self._slots: tuple | None = None
         self._rows: tuple | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
 
     def _slots_for(self, slot_mapping: torch.Tensor):
         if self._slots is None or self._slots[0] is not slot_mapping:
@@ -71,39 +72,69 @@ class TorchAttention(AttentionBackend):
             out[q0:q1] = o.reshape(heads, len_q, head_dim).transpose(0, 1)  # (SDPA's output may be strided)
         return out
 
-    def _rows_for(self, context: Context, block_size: int):
-        """(blocks, offsets [batch, length] of the cache rows to gather, the same as flat row ids [batch * length],
-        valid [batch, length]) for a decode step."""
+    GROUP = 8  # decode sequences per SDPA call, in context-length order (padding to a group's longest, not the batch's)
+
+    def _groups_for(self, context: Context, block_size: int) -> list[tuple]:
+        """Per group of up to GROUP sequences of similar context length: (sequence ids [n], blocks and offsets
+        [n, length] of the cache rows to gather, the same as flat row ids [n * length], valid [n, 1, 1, length]).
+        On 2 cores, 32 sequences of 160-384 tokens: 2.3 ms per layer in one call, 1.6 in groups of 8 (less
+        padding read, no extra calls' worth of cost)."""
         if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
             lens = context.context_lens.long()
-            length = int(lens.max()) if lens.numel() else 0
-            steps = torch.arange(length, device=lens.device).unsqueeze(0)
-            pos = torch.minimum(steps, (lens - 1).clamp(min=0).unsqueeze(1))
-            blocks = context.block_tables.long().gather(1, pos // block_size).clamp(min=0)
-            offsets = pos % block_size
-            self._rows = (context.context_lens, context.block_tables, blocks, offsets,
-                          (blocks * block_size + offsets).flatten(), steps < lens.unsqueeze(1))
-        return self._rows[2:]
+            order = torch.argsort(lens, stable=True)
+            groups = []
+            for ids in order.split(self.GROUP):
+                g_lens = lens[ids]
+                length = int(g_lens.max()) if g_lens.numel() else 0
+                steps = torch.arange(length, device=lens.device).unsqueeze(0)
+                pos = torch.minimum(steps, (g_lens - 1).clamp(min=0).unsqueeze(1))
+                blocks = context.block_tables[ids].long().gather(1, pos // block_size).clamp(min=0)
+                offsets = pos % block_size
+                groups.append((ids, blocks, offsets, (blocks * block_size + offsets).flatten(),
+                               (steps < g_lens.unsqueeze(1))[:, None, None, :]))
+            self._rows = (context.context_lens, context.block_tables, groups)
+        return self._rows[2]
+
+    def _buffer(self, which: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A gather destination reused by every layer and group (one for K, one for V): allocating them per call
+        made the allocator map and fault in fresh pages each time (a 19 MB gather alone: 0.7 ms into a kept buffer,
+        1-11 ms into fresh ones as the process aged). A quarter of headroom, as contexts grow by a token a step."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[which] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, flat: torch.Tensor,
+                buffer: int) -> torch.Tensor:
+        """The rows [n, length, kv_heads, head_dim] a group reads."""
+        if cache.is_contiguous():  # index_select over whole rows: about 7x faster on CPU than the 2-D index
+            src = raw(cache).view(-1, *cache.shape[2:])
+            rows = torch.index_select(src, 0, flat, out=self._buffer(buffer, (flat.numel(), *src.shape[1:]), src))
+            return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
+        return raw(cache)[blocks, offsets].view(cache.dtype)  # (an fp8 V, stored token-major)
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
-        """Gathers each sequence's tokens up to the batch's longest context (not whole blocks), then one SDPA.
-        Positions past a sequence's own context read its last real token, so they hold finite values (the cache
-        past a sequence can hold anything, NaN too) and the mask gives them no weight."""
+        """Per group of sequences of similar length (_groups_for): gathers each sequence's tokens up to the group's
+        longest context (not whole blocks), then one SDPA with a KV head's query heads as its rows (4-D inputs,
+        no enable_gqa: torch's fused CPU kernel). Positions past a sequence's own context read its last real token,
+        so they hold finite values (the cache past a sequence can hold anything, NaN too) and the mask gives them
+        no weight."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.size(2)
-        blocks, offsets, flat, valid = self._rows_for(context, k_cache.size(1))
-
-        def rows(cache: torch.Tensor) -> torch.Tensor:  # [batch, length, kv_heads, head_dim]
-            if cache.is_contiguous():  # index_select over whole rows: about 7x faster on CPU than the 2-D index
-                rows = raw(cache).view(-1, *cache.shape[2:]).index_select(0, flat)
-                return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
-            return raw(cache)[blocks, offsets].view(cache.dtype)  # (an fp8 V, stored token-major)
-        k, v = rows(k_cache), rows(v_cache)
-        if k_scale is not None:
-            k = dequantize(k, k_scale[blocks, :, offsets])
-            v = dequantize(v, v_scale[blocks, :, offsets])
-        out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), k.transpose(1, 2).float(),
-                                             v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :],
-                                             scale=scale, enable_gqa=num_heads != num_kv_heads)
+        group = num_heads // num_kv_heads
+        out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        for ids, blocks, offsets, flat, valid in self._groups_for(context, k_cache.size(1)):
+            n, length = blocks.shape
+            k, v = self._gather(k_cache, blocks, offsets, flat, 0), self._gather(v_cache, blocks, offsets, flat, 1)
+            if k_scale is not None:
+                k = dequantize(k, k_scale[blocks, :, offsets])
+                v = dequantize(v, v_scale[blocks, :, offsets])
+            qs = q[ids].view(n, num_kv_heads, group, head_dim).float()
+            o = F.scaled_dot_product_attention(qs, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                               attn_mask=valid, scale=scale)
+            out[ids] = o.reshape(n, num_heads, head_dim)
         # a context of 0 (no key at all) gives NaN rows: zeros, as the kernels write
-        return out.squeeze(2).nan_to_num(0.0).to(q.dtype)
+        return out.nan_to_num_(0.0).to(q.dtype)

@@ -1,0 +1,123 @@
+"""What the CPU path does differently: oneDNN-packed float32 weights (layers/cpu_weights.py) and the torch decode
+attention's length groups (layers/attention/torch_ref.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers import cpu_weights
+from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major
+from nanovllm.layers.attention.torch_ref import TorchAttention, gather_kv
+from nanovllm.utils.context import Context
+from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+
+needs_onednn = pytest.mark.skipif(not cpu_weights.available(), reason="this torch has no oneDNN linear ops")
+
+
+@needs_onednn
+def test_pack_round_trip_and_linear():
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(7, 40)
+    packed = cpu_weights.pack_tensor(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and torch.equal(packed.to_dense(), w)
+    torch.testing.assert_close(cpu_weights.linear(x, packed, b), F.linear(x, w, b))
+    torch.testing.assert_close(cpu_weights.linear(x.t().contiguous().t(), packed), x @ w.t())  # strided rows
+    assert cpu_weights.linear(x[:0], packed).shape == (0, 96)
+
+
+@pytest.fixture(scope="module")
+def qwen3_b(tmp_path_factory):
+    """The same architecture as qwen3_tied with other weights."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_b"), "qwen3", tie=True, num_kv_heads=2, seed=1)
+
+
+def _runner(llm):
+    return llm.executor.runner
+
+
+@needs_onednn
+def test_the_engine_packs_its_linear_weights_and_a_tied_head_keeps_the_embedding_dense(qwen3_tied, qwen3_b):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    model = _runner(llm).model
+    params = dict(model.named_parameters())
+    linear = [name for name in params if name.endswith("proj.weight")]
+    assert linear and all(params[name].is_mkldnn for name in linear)
+    embed = model.model.embed_tokens.weight
+    assert not embed.is_mkldnn and model.lm_head.weight is embed  # still tied
+    assert model.lm_head.packed is not None and torch.equal(model.lm_head.packed.to_dense(), embed)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 10)
+
+    # update_weights unpacks, loads, packs again: the new weights are the ones used, still packed
+    llm.update_weights(hf_model(qwen3_b).state_dict())
+    assert all(dict(model.named_parameters())[name].is_mkldnn for name in linear)
+    assert torch.equal(model.lm_head.packed.to_dense(), model.model.embed_tokens.weight)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 10)
+
+    # a rejected update leaves the weights packed and as they were
+    with pytest.raises(ValueError):
+        llm.update_weights({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)})
+    assert all(dict(model.named_parameters())[name].is_mkldnn for name in linear)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 10)
+
+    cpu_weights.unpack(model)  # the dense weights are the checkpoint's, exactly
+    reference = hf_model(qwen3_b).state_dict()
+    dense = dict(model.named_parameters())
+    assert model.lm_head.packed is None and not any(p.is_mkldnn for p in dense.values())
+    assert torch.equal(dense["model.layers.0.mlp.down_proj.weight"], reference["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_a_bfloat16_model_is_not_packed(qwen3_tied):
+    llm = LLM(qwen3_tied, dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    assert not any(p.is_mkldnn for p in _runner(llm).model.parameters())
+
+
+def _naive_decode(q, k_cache, v_cache, lens, tables, scale, k_scale=None, v_scale=None):
+    """One sequence at a time, every head on its own: the definition the grouped decode must equal."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    group = q.size(1) // k_cache.size(2)
+    for s, n in enumerate(lens):
+        if n == 0:
+            continue
+        k = gather_kv(k_cache, tables[s], n, k_scale).float()
+        v = gather_kv(v_cache, tables[s], n, v_scale).float()
+        for h in range(q.size(1)):
+            p = torch.softmax((k[:, h // group] @ q[s, h].float()) * scale, 0)
+            out[s, h] = p @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_decode_equals_one_sequence_at_a_time(fp8):
+    """19 sequences (three groups of up to 8, in length order, not batch order), lengths 0 to 70 over 16-token
+    blocks, 6 query heads on 2 KV heads; NaN in the cache past every context must not leak in."""
+    torch.manual_seed(0)
+    lens = [5, 70, 0, 33, 16, 17, 1, 64, 48, 2, 69, 31, 9, 50, 15, 40, 3, 66, 22]
+    block, kv_heads, heads, dim = 16, 2, 6, 8
+    need = [(n + block - 1) // block for n in lens]
+    num_blocks = sum(need) + 2
+    kv = torch.full((2, num_blocks, block, kv_heads, dim), float("nan"))
+    perm, tables, start = torch.randperm(num_blocks).tolist(), torch.full((len(lens), max(need) + 1), -1), 0
+    for s, (n, b) in enumerate(zip(lens, need)):
+        tables[s, :b] = torch.tensor(perm[start:start + b])
+        rows = torch.randn(2, b * block, kv_heads, dim)
+        rows[:, n:] = float("nan")
+        kv[:, tables[s, :b]] = rows.view(2, b, block, kv_heads, dim)
+        start += b
+    extra = {}
+    k_cache, v_cache = kv[0], kv[1]
+    if fp8:
+        values, scales = quantize(kv.nan_to_num(0.0), torch.float8_e4m3fn)
+        k_cache, v_cache = values[0], token_major(values[1])
+        extra = dict(k_scale=cache_layout(scales)[0], v_scale=cache_layout(scales)[1])
+    q = torch.randn(len(lens), heads, dim)
+    context = Context(False, context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables.int())
+    out = TorchAttention().decode(q, k_cache, v_cache, context, dim ** -0.5, **extra)
+    ref = _naive_decode(q, k_cache, v_cache, lens, tables, dim ** -0.5, **extra)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # no context: zeros
+    # a broken grouping (every sequence given the group's first query) would differ
+    assert not torch.allclose(out, TorchAttention().decode(q[:1].expand_as(q), k_cache, v_cache, context,
+                                                           dim ** -0.5, **extra))
