@@ -58,6 +58,13 @@ class TorchAttention(AttentionBackend):
                 vs = gather_kv(v_cache, context.block_tables[s], len_k, v_scale).to(q.dtype)
             else:
                 ks, vs = k[q0:q1], v[q0:q1]
+            if len_q == len_k:  # no history: causal from the top left; without a mask SDPA's fused CPU kernel
+                # takes enable_gqa and skips the masked half (2.4 -> 1.7 ms for 256 tokens, 9 heads on 3)
+                o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                                   vs.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                                   enable_gqa=q.size(1) != ks.size(1))
+                out[q0:q1] = o[0].transpose(0, 1)
+                continue
             # query i sits at position len_k - len_q + i and sees keys up to there
             rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
             mask = torch.arange(len_k, device=q.device).unsqueeze(0) <= rows
