@@ -77,9 +77,8 @@ class Config:
             raise ValueError("device='cuda' but no CUDA GPU is available; use device='cpu' or 'auto'")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling works with tensor_parallel_size=1 only; turn one of them off")
-        if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap
+        if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap;
+            # with tensor parallelism it works (rank 0 broadcasts each step's tokens) but is not yet measured on GPUs
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "

@@ -71,6 +71,10 @@ class ModelRunner:
             self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
         self.graphs = self._capture_graphs()
         self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
+        # Async scheduling with tensor parallelism: rank 0 broadcasts each step's sampled tokens, so that a worker
+        # can take the next step's inputs from its own device copy (launch_chained) as rank 0 does.
+        self.share_tokens = group is not None and bool(config.async_scheduling)
+        self.last_step: PendingStep | None = None  # a worker's copy of the last step's tokens (share_tokens)
         if rank == 0:
             logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()))
 
@@ -279,10 +283,16 @@ class ModelRunner:
                 self._copy_blocks(batch.block_copies)
             prompt_logprobs = self._prompt_logprobs(batch, fb) if batch.prompt_logprobs else None
             if self.rank != 0:
+                if self.share_tokens:
+                    tokens = torch.empty(len(batch.rows), dtype=torch.int64, device=self.device)
+                    self.last_step = PendingStep(batch, self.group.broadcast(tokens, 0) if tokens.numel() else tokens,
+                                                 tokens)
                 return None
             if before_sampling is not None:
                 before_sampling()
             tokens, logprobs = self.sampler(logits, fb.sampling, self.generator)
+            if self.share_tokens and tokens.numel():
+                tokens = self.group.broadcast(tokens.to(torch.int64).contiguous(), 0)
             step = PendingStep(batch, tokens, self._to_host(tokens),
                                tuple(self._to_host(t) if t is not None else None for t in logprobs)
                                if logprobs is not None else None, prompt_logprobs)
@@ -292,6 +302,11 @@ class ModelRunner:
             return step
         finally:
             reset_context()
+
+    def launch_chained(self, batch: ScheduledBatch) -> None:
+        """A worker's launch of the step rank 0 launched with `previous`: its inputs from this rank's copy of the
+        previous step's tokens (share_tokens)."""
+        return self.launch(batch, self.last_step)
 
     def settle(self, step: PendingStep) -> StepOutput:
         """Wait for a launched step's tokens (only for that step, not for what was launched after it)."""

@@ -115,17 +115,18 @@ class Sequence:
             self.last_token = token_id
 
     # Workers only read the tokens this step computes (_prepare_prefill: seq[start:end]; _prepare_decode:
-    # last_token), so only those travel, with token_offset saying where they start. The phase cannot be
-    # told from the state: a decode step and the one-token prefill of a preempted sequence whose blocks
-    # all come back from the prefix cache look alike, and both need just the last token.
+    # last_token), so only those travel, with token_offset saying where they start, and the last token. The
+    # phase cannot be told from the state: a decode step and the one-token prefill of a preempted sequence whose
+    # blocks all come back from the prefix cache look alike, and both need just the last token. Under async
+    # scheduling the last token may be a placeholder (PENDING_TOKEN) whose K/V are not counted yet: the worker
+    # takes that input from its copy of the previous step's tokens (ModelRunner.launch_chained).
     def __getstate__(self):
         start = self.num_cached_tokens
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, start,
-                self.num_scheduled_tokens, self.block_table, self.token_ids[start : start + self.num_scheduled_tokens])
+                self.num_scheduled_tokens, self.block_table, self.token_ids[start : start + self.num_scheduled_tokens],
+                self.last_token)
 
     def __setstate__(self, state):
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, self.token_ids) = state
+         self.num_scheduled_tokens, self.block_table, self.token_ids, self.last_token) = state
         self.token_offset = self.num_cached_tokens
-        reaches_end = self.token_offset + len(self.token_ids) == self.num_tokens
-        self.last_token = self.token_ids[-1] if reaches_end and self.token_ids else None

@@ -73,6 +73,12 @@ class MultiprocExecutor(Executor):
     def run(self, batch: ScheduledBatch):
         return self.workers.call(self.runner, "run", (batch,))
 
+    def launch(self, batch, previous, before_sampling=None):
+        """Async scheduling: the workers launch the same step, taking the inputs `previous` sampled from their
+        copy of its tokens (rank 0 broadcasts every step's tokens: ModelRunner.share_tokens)."""
+        return self.workers.call(self.runner, "launch", (batch, previous, before_sampling),
+                                 worker_call=("launch_chained" if previous is not None else "launch", (batch,)))
+
     def collective_rpc(self, method, args=(), kwargs=None):
         kwargs = kwargs or {}
         return self.workers.call(self.runner, check_rpc_call(method, args, kwargs), tuple(args), kwargs, reply=True)
@@ -242,14 +248,16 @@ class Workers:
         self._wait(lambda: self._counts[kind] >= len(self.processes), f"become {kind}")
 
     # -- driving --
-    def call(self, runner: ModelRunner, method: str, args: tuple, kwargs: dict | None = None, reply: bool = False):
+    def call(self, runner: ModelRunner, method: str, args: tuple, kwargs: dict | None = None, reply: bool = False,
+             worker_call: tuple[str, tuple] | None = None):
         """Send `method` to every worker and run it on rank 0. Returns rank 0's result, or with `reply` every
-        rank's result in rank order (workers send theirs back over their pipe)."""
+        rank's result in rank order (workers send theirs back over their pipe). `worker_call`: (method, args) the
+        workers run instead (rank 0's arguments may not travel: a pending step, a callback)."""
         self.check()
         kwargs = kwargs or {}
         try:
             self._replies.clear()
-            self.channel.send(method, args, kwargs, reply, check=self.check)
+            self.channel.send(*(worker_call or (method, args)), kwargs, reply, check=self.check)
             result = getattr(runner, method)(*args, **kwargs)
             if reply:
                 self._wait(lambda: len(self._replies) == len(self.processes), f"answer {method}")

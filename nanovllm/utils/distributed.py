@@ -68,6 +68,11 @@ class TPGroup:
         self._issue(lambda: self.pg.gather(parts, x, dst)).wait()
         return parts if self.rank == dst else None
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`x` of rank `src` into `x` on every rank (NCCL: the current stream waits, not the host)."""
+        self._issue(lambda: self.pg.broadcast(x, src)).wait()
+        return x
+
     def min(self, value: int, device: torch.device) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
