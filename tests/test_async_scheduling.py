@@ -2,7 +2,6 @@
 Every output must equal the plain loop's (and transformers' for greedy)."""
 import random
 
-import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
