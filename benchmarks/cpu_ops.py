@@ -41,8 +41,8 @@ def matmuls(rows_list: list[int]):
     print("one decode step's matmuls, ms: rows, linear (dense), packed for oneDNN")
     for rows in rows_list:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
-        dense = timed(lambda: [linear(xs[w.shape[1]], w) for w in weights], 1 if rows > 64 else 3)
-        onednn = timed(lambda: [cpu_weights.linear(xs[w.shape[1]], p) for w, p in zip(weights, packed)],
+        dense = timed(lambda xs=xs: [linear(xs[w.shape[1]], w) for w in weights], 1 if rows > 64 else 3)
+        onednn = timed(lambda xs=xs: [cpu_weights.linear(xs[w.shape[1]], p) for w, p in zip(weights, packed)],
                        1 if rows > 64 else 3)
         print(f"  {rows:5d}  {dense:9.1f}  {onednn:9.1f}")
 
@@ -65,7 +65,8 @@ def attention():
     for size in (32, 16, 8, 4):
         backend = TorchAttention()
         backend.GROUP = size
-        print(f"  {size:3d}  {timed(lambda: backend.decode(q, k_cache, v_cache, context, dim ** -0.5), 10):6.2f}")
+        ms = timed(lambda backend=backend: backend.decode(q, k_cache, v_cache, context, dim ** -0.5), 10)
+        print(f"  {size:3d}  {ms:6.2f}")
 
 
 def main():
