@@ -55,10 +55,17 @@ def test_the_engine_packs_its_linear_weights_and_a_tied_head_keeps_the_embedding
     assert torch.equal(model.lm_head.packed.to_dense(), model.model.embed_tokens.weight)
     assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 10)
 
-    # a rejected update leaves the weights packed and as they were
+    # an update that fails halfway (past the engine's checks: straight to the runner) leaves every weight packed,
+    # the tensors before the bad one loaded, and the head's copy equal to the embedding
+    other = hf_model(qwen3_tied).state_dict()
+    bad = "model.layers.0.self_attn.o_proj.weight"
     with pytest.raises(ValueError):
-        llm.update_weights({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)})
+        _runner(llm).update_weights([("model.embed_tokens.weight", other["model.embed_tokens.weight"]),
+                                     (bad, torch.zeros(3, 3))])
     assert all(dict(model.named_parameters())[name].is_mkldnn for name in linear)
+    assert torch.equal(model.model.embed_tokens.weight, other["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.packed.to_dense(), model.model.embed_tokens.weight)
+    llm.update_weights(hf_model(qwen3_b).state_dict())
     assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 10)
 
     cpu_weights.unpack(model)  # the dense weights are the checkpoint's, exactly
@@ -118,6 +125,15 @@ def test_grouped_decode_equals_one_sequence_at_a_time(fp8):
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # no context: zeros
-    # a broken grouping (every sequence given the group's first query) would differ
-    assert not torch.allclose(out, TorchAttention().decode(q[:1].expand_as(q), k_cache, v_cache, context,
-                                                           dim ** -0.5, **extra))
+
+
+def test_sleep_drops_the_decode_gather_buffers(qwen3_tied):
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    backend = _runner(llm).backend
+    assert all(buf is not None for buf in backend._buffers) and backend._rows is not None
+    llm.sleep(level=1)
+    assert backend._buffers == [None, None] and backend._rows is None and backend._slots is None
+    llm.wake_up()
+    out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(qwen3_tied, [3, 1, 4, 1, 5], 4)

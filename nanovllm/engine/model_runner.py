@@ -135,7 +135,8 @@ class ModelRunner:
     @torch.inference_mode()
     def update_weights(self, weights: list | str, require_all: bool = False):
         """Copy (name, tensor) pairs, or a checkpoint directory's tensors, into this rank's shards in place (CUDA
-        graphs keep pointing at the same memory)."""
+        graphs keep pointing at the same memory; on CPU the packed float32 weights are unpacked first and packed
+        again after, into new storage: layers/cpu_weights.py)."""
         source = weights if isinstance(weights, str) else "update_weights"
         cpu_weights.unpack(self.model)
         try:
@@ -150,6 +151,7 @@ class ModelRunner:
         """Free the KV cache and the decode graphs; level 1 keeps the weights in host memory (on CUDA; on CPU they
         stay where they are), level 2 frees them (update_weights brings new ones)."""
         self.release_graphs()
+        self.backend.release()
         for layer in self.attn_layers:
             layer.bind(torch.tensor([]), torch.tensor([]))
         self.kv_cache = self.kv_scale = None

@@ -2,11 +2,12 @@
 
 MKL reads a row-major [out, in] float32 weight slowly for the skinny products of decode: on this team's 2-core AVX2
 EPYC the bundled 135M model's matmuls took 52.6 ms per one-row step with F.linear and 31.5 ms with packed weights
-(32 rows: 126 -> 99 ms; a 4,096-token prefill: 12.7 -> 8.7 s). Packing replaces the parameter's storage (no second
-copy): `layer.weight` becomes a Parameter of the same shape and dtype, but in torch's mkldnn layout, which only
-`linear` below and `unpack` read. The runner unpacks before anything writes weights (update_weights, sleep) and
-packs again after. A weight that an embedding shares (a tied LM head) stays dense for the lookup; the head then keeps
-its own packed copy in `packed` (one more copy of that matrix)."""
+(32 rows: 126 -> 99 ms; a 4,096-token prefill: 12.7 -> 8.7 s; benchmarks/cpu_ops.py). Packing replaces the
+parameter's storage (no second copy): `layer.weight` becomes a new Parameter of the same name, shape and dtype, in
+torch's mkldnn layout, which only `linear` below and `unpack` read. The runner unpacks before anything writes
+weights (update_weights, which packs again after; sleep level 2, before freeing them: the update_weights that
+brings them back packs them). A weight that an embedding shares (a tied LM head) stays dense for the lookup; the
+head then keeps its own packed copy in `packed` (one more copy of that matrix)."""
 import torch
 from torch import nn
 

@@ -19,6 +19,9 @@ class AttentionBackend:
     supports_cuda_graphs = True  # False: decode runs eagerly (the backend syncs with the host)
     supports_fp8_kv_cache = True
 
+    def release(self):
+        """Drop whatever the backend keeps between steps (sleep frees the KV cache: nothing may outlive it)."""
+
     def check_head_dim(self, head_dim: int):
         """Raise ValueError, once at start-up, for a head size this backend cannot run."""
 

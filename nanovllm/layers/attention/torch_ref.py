@@ -28,6 +28,10 @@ class TorchAttention(AttentionBackend):
         self._rows: tuple | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
 
+    def release(self):
+        self._slots = self._rows = None
+        self._buffers = [None, None]
+
     def _slots_for(self, slot_mapping: torch.Tensor):
         if self._slots is None or self._slots[0] is not slot_mapping:
             keep = slot_mapping >= 0
