@@ -151,6 +151,7 @@ fi
 if has tp_bench; then
   step bench_8b_tp1 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --no-tqdm
   step bench_8b_tp2 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --no-tqdm
+  step bench_8b_tp2_async 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --async-scheduling --no-tqdm
 fi
 printf '\n== summary ==\n'
 printf '%s\n' "${summary[@]}"

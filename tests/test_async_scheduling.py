@@ -98,8 +98,8 @@ def test_tensor_parallel_equals_the_plain_loop(qwen3_tied):
     (rank 0 broadcasts them). Greedy equals transformers; seeded sampling with n=2, logprobs and chunked prefill
     (40 tokens a step) equal the plain TP loop's, token for token."""
     prompts = _prompts(5, [3, 17, 70, 45])
-    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=192, max_num_batched_tokens=40,
-                  tensor_parallel_size=2)
+    kwargs = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=192,
+                  max_num_batched_tokens=40, tensor_parallel_size=2)
     greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=N, ignore_eos=True, logprobs=2)
     with LLM(qwen3_tied, async_scheduling=True, **kwargs) as llm:
