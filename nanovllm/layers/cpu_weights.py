@@ -1,8 +1,8 @@
 """CPU float32 matmuls through oneDNN, with each weight packed once into oneDNN's blocked layout.
 
 MKL reads a row-major [out, in] float32 weight slowly for the skinny products of decode: on this team's 2-core AVX2
-EPYC the bundled 135M model's matmuls took 52.6 ms per one-row step with F.linear and 31.5 ms with packed weights
-(32 rows: 126 -> 99 ms; a 4,096-token prefill: 12.7 -> 8.7 s; benchmarks/cpu_ops.py). Packing replaces the
+EPYC the bundled 135M model's matmuls took 54.3 ms per one-row step with layers/linear.linear and 30.3 ms with
+packed weights (32 rows: 120.5 -> 97.0 ms; 512 rows: 1,172 -> 1,005; benchmarks/cpu_ops.py). Packing replaces the
 parameter's storage (no second copy): `layer.weight` becomes a new Parameter of the same name, shape and dtype, in
 torch's mkldnn layout, which only `linear` below and `unpack` read. The runner unpacks before anything writes
 weights (update_weights, which packs again after; sleep level 2, before freeing them: the update_weights that
