@@ -129,11 +129,35 @@ def test_grouped_decode_equals_one_sequence_at_a_time(fp8):
 
 def test_sleep_drops_the_decode_gather_buffers(qwen3_tied):
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
-    llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    backend = _runner(llm).backend
+    llm.generate([[3, 1, 4, 1, 5], [2, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    backend = _runner(llm).backend  # (two sequences: one alone could be read in place, without the buffers)
     assert all(buf is not None for buf in backend._buffers) and backend._rows is not None
     llm.sleep(level=1)
     assert backend._buffers == [None, None] and backend._rows is None and backend._slots is None
     llm.wake_up()
     out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(qwen3_tied, [3, 1, 4, 1, 5], 4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tables", [[3, 4, 5], [5, 3, 4]])
+def test_one_sequence_reads_its_rows_in_place_when_its_blocks_are_consecutive(tables, fp8):
+    """Batch 1 (a group of one): consecutive blocks are read as a slice of the cache, others gathered; both equal
+    the reference, and only the slice aliases the cache."""
+    torch.manual_seed(1)
+    block, kv_heads, heads, dim, length = 16, 2, 4, 8, 40
+    kv = torch.randn(2, 8, block, kv_heads, dim)
+    k_cache, v_cache, extra = kv[0], kv[1], {}
+    if fp8:
+        values, scales = quantize(kv, torch.float8_e4m3fn)
+        k_cache, v_cache = values[0], token_major(values[1])
+        extra = dict(k_scale=cache_layout(scales)[0], v_scale=cache_layout(scales)[1])
+    table = torch.tensor([tables + [-1]])
+    context = Context(False, context_lens=torch.tensor([length], dtype=torch.int32), block_tables=table.int())
+    q = torch.randn(1, heads, dim)
+    backend = TorchAttention()
+    out = backend.decode(q, k_cache, v_cache, context, dim ** -0.5, **extra)
+    torch.testing.assert_close(out, _naive_decode(q, k_cache, v_cache, [length], table, dim ** -0.5, **extra),
+                               atol=1e-5, rtol=1e-5)
+    start = backend._rows[2][0][-1]
+    assert start == (3 * block if tables == [3, 4, 5] else None)

@@ -87,7 +87,8 @@ class TorchAttention(AttentionBackend):
 
     def _groups_for(self, context: Context, block_size: int) -> list[tuple]:
         """Per group of up to GROUP sequences of similar context length: (sequence ids [n], blocks and offsets
-        [n, length] of the cache rows to gather, the same as flat row ids [n * length], valid [n, 1, 1, length]).
+        [n, length] of the cache rows to gather, the same as flat row ids [n * length], valid [n, 1, 1, length]
+        (None for one sequence: no padding), the first row when they are one run of the cache, else None).
         On 2 cores, 32 sequences of 160-384 tokens: 2.3 ms per layer in one call, 1.6 in groups of 8 (less
         padding read, no extra calls' worth of cost)."""
         if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
@@ -101,8 +102,13 @@ class TorchAttention(AttentionBackend):
                 pos = torch.minimum(steps, (g_lens - 1).clamp(min=0).unsqueeze(1))
                 blocks = context.block_tables[ids].long().gather(1, pos // block_size).clamp(min=0)
                 offsets = pos % block_size
-                groups.append((ids, blocks, offsets, (blocks * block_size + offsets).flatten(),
-                               (steps < g_lens.unsqueeze(1))[:, None, None, :]))
+                start = None  # one sequence in consecutive blocks: its rows are a slice of the cache, no gather
+                if ids.numel() == 1 and length:  # (batch 1, the notebook case; and a batch's odd one out)
+                    table = context.block_tables[ids[0], : (length + block_size - 1) // block_size].long()
+                    if torch.equal(table, table[0] + torch.arange(table.numel(), device=table.device)):
+                        start = int(table[0]) * block_size
+                valid = None if ids.numel() == 1 and length else (steps < g_lens.unsqueeze(1))[:, None, None, :]
+                groups.append((ids, blocks, offsets, (blocks * block_size + offsets).flatten(), valid, start))
             self._rows = (context.context_lens, context.block_tables, groups)
         return self._rows[2]
 
@@ -119,8 +125,11 @@ class TorchAttention(AttentionBackend):
         return buf[:numel].view(shape)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, flat: torch.Tensor,
-                buffer: int) -> torch.Tensor:
-        """The rows [n, length, kv_heads, head_dim] a group reads."""
+                buffer: int, start: int | None = None) -> torch.Tensor:
+        """The rows [n, length, kv_heads, head_dim] a group reads (`start`: they are the cache's rows from there)."""
+        if cache.is_contiguous() and start is not None:  # (at batch 1 in the engine: 51 us per gather, 3 us so)
+            rows = raw(cache).view(-1, *cache.shape[2:])[start : start + flat.numel()]
+            return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
         if cache.is_contiguous():  # index_select over whole rows: about 7x faster on CPU than the 2-D index
             src = raw(cache).view(-1, *cache.shape[2:])
             rows = torch.index_select(src, 0, flat, out=self._buffer(buffer, (flat.numel(), *src.shape[1:]), src))
@@ -137,9 +146,10 @@ class TorchAttention(AttentionBackend):
         num_kv_heads = k_cache.size(2)
         group = num_heads // num_kv_heads
         out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        for ids, blocks, offsets, flat, valid in self._groups_for(context, k_cache.size(1)):
+        for ids, blocks, offsets, flat, valid, start in self._groups_for(context, k_cache.size(1)):
             n, length = blocks.shape
-            k, v = self._gather(k_cache, blocks, offsets, flat, 0), self._gather(v_cache, blocks, offsets, flat, 1)
+            k = self._gather(k_cache, blocks, offsets, flat, 0, start)
+            v = self._gather(v_cache, blocks, offsets, flat, 1, start)
             if k_scale is not None:
                 k = dequantize(k, k_scale[blocks, :, offsets])
                 v = dequantize(v, v_scale[blocks, :, offsets])
