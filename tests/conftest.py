@@ -13,6 +13,12 @@ def qwen3_tied(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_b(tmp_path_factory):
+    """The same architecture as qwen3_tied with other weights."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_b"), "qwen3", tie=True, num_kv_heads=2, seed=1)
+
+
+@pytest.fixture(scope="session")
 def qwen3_untied_mha(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("qwen3_mha"), "qwen3", tie=False, num_kv_heads=4)
 

@@ -9,7 +9,7 @@ from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major
 from nanovllm.layers.attention.torch_ref import TorchAttention, gather_kv
 from nanovllm.utils.context import Context
-from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_model
 
 needs_onednn = pytest.mark.skipif(not cpu_weights.available(), reason="this torch has no oneDNN linear ops")
 
@@ -23,12 +23,6 @@ def test_pack_round_trip_and_linear():
     torch.testing.assert_close(cpu_weights.linear(x, packed, b), F.linear(x, w, b))
     torch.testing.assert_close(cpu_weights.linear(x.t().contiguous().t(), packed), x @ w.t())  # strided rows
     assert cpu_weights.linear(x[:0], packed).shape == (0, 96)
-
-
-@pytest.fixture(scope="module")
-def qwen3_b(tmp_path_factory):
-    """The same architecture as qwen3_tied with other weights."""
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3_b"), "qwen3", tie=True, num_kv_heads=2, seed=1)
 
 
 def _runner(llm):

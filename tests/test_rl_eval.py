@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -24,12 +24,6 @@ def _samples(out: dict) -> list[list[int]]:
 def llm(qwen3_tied):
     with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
         yield llm
-
-
-@pytest.fixture(scope="module")
-def qwen3_b(tmp_path_factory):
-    """The same architecture as qwen3_tied with other weights."""
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3_b"), "qwen3", tie=True, num_kv_heads=2, seed=1)
 
 
 def _all_blocks_free(llm) -> bool:

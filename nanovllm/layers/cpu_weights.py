@@ -52,20 +52,21 @@ def pack(model: nn.Module) -> int:
         return 0
     count = 0
     for module, shared in _matmul_modules(model):
-        if shared:
-            if _packable(module.weight):
-                module.packed = pack_tensor(module.weight.data)
-                count += 1
-        elif _packable(module.weight):
-            _replace_weight(module, pack_tensor(module.weight.data))
-            count += 1
+        if not _packable(module.weight):
+            continue
+        packed = pack_tensor(module.weight.data)
+        if shared:  # the embedding keeps the dense weight; the head multiplies by its own copy
+            module.packed = packed
+        else:
+            _replace_weight(module, packed)
+        count += 1
     return count
 
 
 def unpack(model: nn.Module):
     """Dense weights again (exactly the values that were packed): before loading into them or freeing them."""
     for module, _ in _matmul_modules(model):
-        if getattr(module, "packed", None) is not None:
+        if hasattr(module, "packed"):
             module.packed = None
         if module.weight.is_mkldnn:
             _replace_weight(module, module.weight.data.to_dense())

@@ -1,4 +1,6 @@
 """Pure-torch attention over the paged KV cache: the CPU path and the reference for other backends."""
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -116,9 +118,7 @@ class TorchAttention(AttentionBackend):
         """A gather destination reused by every layer and group (one for K, one for V): allocating them per call
         made the allocator map and fault in fresh pages each time (a 19 MB gather alone: 0.7 ms into a kept buffer,
         1-11 ms into fresh ones as the process aged). A quarter of headroom, as contexts grow by a token a step."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         buf = self._buffers[which]
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = self._buffers[which] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
@@ -127,14 +127,14 @@ class TorchAttention(AttentionBackend):
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, flat: torch.Tensor,
                 buffer: int, start: int | None = None) -> torch.Tensor:
         """The rows [n, length, kv_heads, head_dim] a group reads (`start`: they are the cache's rows from there)."""
-        if cache.is_contiguous() and start is not None:  # (at batch 1 in the engine: 51 us per gather, 3 us so)
-            rows = raw(cache).view(-1, *cache.shape[2:])[start : start + flat.numel()]
-            return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
-        if cache.is_contiguous():  # index_select over whole rows: about 7x faster on CPU than the 2-D index
-            src = raw(cache).view(-1, *cache.shape[2:])
+        if not cache.is_contiguous():  # an fp8 V, stored token-major
+            return raw(cache)[blocks, offsets].view(cache.dtype)
+        src = raw(cache).view(-1, *cache.shape[2:])
+        if start is not None:  # a slice, no copy (at batch 1 in the engine: 51 us per gather, 3 us so)
+            rows = src[start : start + flat.numel()]
+        else:  # index_select over whole rows: about 7x faster on CPU than the 2-D index
             rows = torch.index_select(src, 0, flat, out=self._buffer(buffer, (flat.numel(), *src.shape[1:]), src))
-            return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
-        return raw(cache)[blocks, offsets].view(cache.dtype)  # (an fp8 V, stored token-major)
+        return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         """Per group of sequences of similar length (_groups_for): gathers each sequence's tokens up to the group's
