@@ -74,6 +74,8 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    if args.threads < 1 or min(args.rows) < 1:
+        p.error("--threads and every --rows value must be at least 1")
     torch.set_num_threads(args.threads)
     if cpu_weights.available():
         matmuls(args.rows)

@@ -52,6 +52,9 @@ def main():
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each engine, alternating (a shared machine's speed drifts); the best is compared")
     args = p.parse_args()
+    for name in ("prompts", "max_tokens", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     from transformers import AutoModelForCausalLM
     model = args.model or default_model_path()
     kwargs = {"kvcache_block_size": args.block_size} if args.block_size else {}
