@@ -28,6 +28,14 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def startup_phases(llm) -> str:
+    """The engine's start-up phases and Triton compile tally (rank 0's runner; not with --dp)."""
+    runner = getattr(getattr(llm, "executor", None), "runner", None)
+    phases = {**getattr(llm, "startup", {}), **(runner.startup if runner is not None else {})}
+    compiles = getattr(runner, "compiles", None)
+    return ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + (f"; {compiles}" if compiles else "")
+
+
 def run_nanovllm(args, prompts, max_tokens) -> float:
     from nanovllm import LLM, SamplingParams
     kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
@@ -46,10 +54,7 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
-    runner = getattr(getattr(llm, "executor", None), "runner", None)  # (not with --dp)
-    phases = {**getattr(llm, "startup", {}), **(runner.startup if runner is not None else {})}
-    phases = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
-    print(f"engine start: {time.perf_counter() - t:.1f}s ({phases}), {llm.num_kvcache_blocks} KV blocks")
+    print(f"engine start: {time.perf_counter() - t:.1f}s ({startup_phases(llm)}), {llm.num_kvcache_blocks} KV blocks")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     probe = StepProfiler(llm) if args.profile else None

@@ -1,6 +1,6 @@
 """Small-batch latency and prefill throughput (issue #14's rows), Qwen3-0.6B shape with random weights.
 
-    python benchmarks/latency.py [--model PATH] [--prefill-seqs 512]
+    python benchmarks/latency.py [--model PATH] [--prefill-seqs 512] [--batches 1 16 64]
 
 - decode ms/token at batch 1, 16 and 64: prompts of 512 random tokens; (time for 1 + N tokens - time for 1
   token) / N, so prefill is left out; median of three runs.
@@ -17,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import startup_phases  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
@@ -37,16 +38,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_CONFIG)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prefill-seqs", type=int, default=512)
+    p.add_argument("--prefill-seqs", type=int, default=512, help="0: no prefill row")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
     dummy = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
     t = time.perf_counter()
     llm = LLM(args.model, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **dummy)
-    print(f"engine start {time.perf_counter() - t:.1f}s")
+    print(f"engine start {time.perf_counter() - t:.1f}s ({startup_phases(llm)})")
     timed(llm, prompts(2, 512), 4)  # warm-up
     rows = []
-    for batch in (1, 16, 64):
+    for batch in args.batches:
         per_token = []
         for _ in range(3):
             first = timed(llm, prompts(batch, 512), 1)
@@ -58,11 +60,12 @@ def main():
     ttft = statistics.median(timed(llm, prompts(1, 512), 1) for _ in range(5)) * 1e3
     rows.append(f"time to first token, 512-token prompt: {ttft:.2f} ms")
     print(rows[-1], flush=True)
-    batch = prompts(args.prefill_seqs, 2048)
-    seconds = timed(llm, batch, 1)
-    rows.append(f"prefill {args.prefill_seqs} x 2048 tokens, max_tokens 1: {seconds:.2f} s, "
-                f"{args.prefill_seqs * 2048 / seconds:,.0f} prompt tok/s")
-    print(rows[-1], flush=True)
+    if args.prefill_seqs > 0:
+        batch = prompts(args.prefill_seqs, 2048)
+        seconds = timed(llm, batch, 1)
+        rows.append(f"prefill {args.prefill_seqs} x 2048 tokens, max_tokens 1: {seconds:.2f} s, "
+                    f"{args.prefill_seqs * 2048 / seconds:,.0f} prompt tok/s")
+        print(rows[-1], flush=True)
     llm.exit()
     print("\n== latency ==\n" + "\n".join(rows))
 

@@ -10,7 +10,7 @@ from nanovllm.config import Config
 from nanovllm.engine import kv_cache
 from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.warmup import warmup_prefill_variants
+from nanovllm.engine.warmup import counting_compiles, warmup_prefill_variants
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
@@ -47,6 +47,14 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
         self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
+        with counting_compiles() as self.compiles:  # (CompileTally: the kernels behind the warm-ups)
+            self._start()
+        if rank == 0:
+            logger.info("start-up: %s; %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()),
+                        self.compiles)
+
+    def _start(self):
+        config, group = self.config, self.group
         if self.is_cuda:
             with self._phase("CUDA init"):
                 torch.cuda.set_device(self.device)
@@ -75,8 +83,6 @@ class ModelRunner:
         # can take the next step's inputs from its own device copy (launch_chained) as rank 0 does.
         self.share_tokens = group is not None and bool(config.async_scheduling)
         self.last_step: PendingStep | None = None  # a worker's copy of the last step's tokens (share_tokens)
-        if rank == 0:
-            logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()))
 
     @contextmanager
     def _phase(self, name: str):

@@ -1,10 +1,51 @@
 """Warm-ups on CUDA: one max-size step before the KV cache is sized (its activation peak is what the cache must
-leave free), and one small prefill per Triton kernel variant, so no JIT lands in the first real steps."""
+leave free), and one small prefill per Triton kernel variant, so no JIT lands in the first real steps; and a tally
+of the Triton compiles behind them, for the start-up log."""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
 from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingTensors
+
+
+@dataclass
+class CompileTally:
+    compiled: int = 0  # kernels compiled (not found in Triton's on-disk cache)
+    seconds: float = 0.0  # their compile time, as Triton measures it
+    cached: int = 0  # kernels loaded from the on-disk cache
+
+    def __str__(self):
+        return f"Triton {self.compiled} kernels compiled in {self.seconds:.1f}s, {self.cached} from cache"
+
+
+@contextmanager
+def counting_compiles():
+    """Yields a CompileTally of the Triton kernels compiled or loaded from disk meanwhile (Triton's compilation
+    listener; a Triton without one counts nothing). A listener set before is called too, and put back after."""
+    tally = CompileTally()
+    try:
+        from triton import knobs
+        before = knobs.compilation.listener
+    except (ImportError, AttributeError):
+        yield tally
+        return
+
+    def listen(**kw):
+        if kw["cache_hit"]:
+            tally.cached += 1
+        else:
+            tally.compiled += 1
+            tally.seconds += kw["times"].total / 1e6  # microseconds
+        if before is not None:
+            before(**kw)
+    knobs.compilation.listener = listen
+    try:
+        yield tally
+    finally:
+        knobs.compilation.listener = before
 
 
 def _prefill(runner, seqs: list[Sequence]):
