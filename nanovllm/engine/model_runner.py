@@ -55,6 +55,11 @@ class ModelRunner:
 
     def _start(self):
         config, group = self.config, self.group
+        # Async scheduling with tensor parallelism: rank 0 broadcasts each step's sampled tokens, so that a worker
+        # can take the next step's inputs from its own device copy (launch_chained) as rank 0 does. (Set first:
+        # the CUDA warm-ups below run steps.)
+        self.share_tokens = group is not None and bool(config.async_scheduling)
+        self.last_step: PendingStep | None = None  # a worker's copy of the last step's tokens (share_tokens)
         if self.is_cuda:
             with self._phase("CUDA init"):
                 torch.cuda.set_device(self.device)
@@ -79,10 +84,6 @@ class ModelRunner:
             self.kv_cache, self.kv_scale = kv_cache.allocate(self, self.num_kvcache_blocks)
         self.graphs = self._capture_graphs()
         self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
-        # Async scheduling with tensor parallelism: rank 0 broadcasts each step's sampled tokens, so that a worker
-        # can take the next step's inputs from its own device copy (launch_chained) as rank 0 does.
-        self.share_tokens = group is not None and bool(config.async_scheduling)
-        self.last_step: PendingStep | None = None  # a worker's copy of the last step's tokens (share_tokens)
 
     @contextmanager
     def _phase(self, name: str):
