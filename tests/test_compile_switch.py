@@ -26,6 +26,18 @@ def test_switch_on_and_back():
     assert (norm.norm_fn, norm.add_norm_fn, act.fn, rope.fn) == (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 
 
+def test_switching_on_imports_no_dynamo():
+    # torch.compile runs at the first call of a compiled function, not when layers switch: importing torch._dynamo
+    # alone took seconds of start-up (fresh interpreter: other tests import it)
+    import subprocess
+    import sys
+    code = ("import sys; from torch import nn; from nanovllm.layers.compile import use_compiled_ops; "
+            "from nanovllm.layers.rotary_embedding import RotaryEmbedding; "
+            "rope = RotaryEmbedding(8, 16, 10000.0); use_compiled_ops(nn.ModuleList([rope]), True); "
+            "assert rope.fn.__name__ == 'apply_rotary' and 'torch._dynamo' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_sampler_race_switches():
     from nanovllm.layers.sampler import Sampler, race_in_log_space
     sampler = Sampler()

@@ -14,7 +14,17 @@ from torch import nn
 
 @functools.cache
 def compiled(fn):
-    """One compiled version per function, shared by every layer (dynamic shapes: no recompiling per batch)."""
+    """One compiled version per function, shared by every layer (dynamic shapes: no recompiling per batch),
+    compiled at its first call: torch.compile imports torch._dynamo, which took 4-8 s of an H200 machine's start-up
+    for a function most models never call (the rope kernel takes their rotary)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return _compile(fn)(*args, **kwargs)
+    return call
+
+
+@functools.cache
+def _compile(fn):
     return torch.compile(fn, dynamic=True)
 
 

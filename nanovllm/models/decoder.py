@@ -57,10 +57,10 @@ def moe_layer(config, layer: int) -> bool:
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
-def fold_rows() -> bool:
-    """The 2-16-row folds (DecoderLayer.forward_rows, SiLU-and-mul in gate_up) are on unless NANOVLLM_FOLD_ROWS=0
-    (to compare)."""
-    return os.environ.get("NANOVLLM_FOLD_ROWS", "1") != "0"
+def fold_rows(what: str) -> bool:
+    """The 2-16-row folds: "silu" (SiLU-and-mul in gate_up's kernel) and "norms" (DecoderLayer.forward_rows).
+    NANOVLLM_FOLD_ROWS: "1" both, "0" neither, "silu" that one (to compare)."""
+    return os.environ.get("NANOVLLM_FOLD_ROWS", "1") in ("1", what)
 
 
 def head_dim_of(config) -> int:
@@ -132,7 +132,7 @@ class DecoderMLP(nn.Module):
         self.fold_silu = False  # CUDA: 2-16 rows take SiLU-and-mul inside the gate_up kernel
 
     def use_compiled(self, enabled: bool = True):
-        self.fold_silu = enabled and fold_rows()
+        self.fold_silu = enabled and fold_rows("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fold_silu and x.shape[0] > 1 and small_batch_rows(x, self.gate_up_proj.weight):
@@ -214,7 +214,7 @@ class DecoderModel(nn.Module):
     def use_compiled(self, enabled: bool = True):
         # forward_rows adds each residual inside a projection's epilogue: before a tensor-parallel all-reduce that
         # would be wrong, so one rank only
-        self.fuse_rows = enabled and fold_rows() and all(
+        self.fuse_rows = enabled and fold_rows("norms") and all(
             isinstance(layer.mlp, DecoderMLP) and layer.self_attn.o_proj.tp_size == 1 for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
