@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|race|latency_variants|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -54,11 +54,6 @@ if has kernels_fp8; then
 fi
 if has latency; then  # ms/token at batch 1/16/64, time to first token, 512 x 2048-token prefill
   TAIL=8 step latency 300 python3 benchmarks/latency.py
-fi
-if has latency_variants; then  # batch 1 and 16 with the 2-16-row folds off, and the general kernel's PDL off / early
-  for v in NANOVLLM_FOLD_ROWS=0 NANOVLLM_GEMV_PDL=off NANOVLLM_GEMV_PDL=early NANOVLLM_GEMV_PDL=late; do
-    TAIL=4 step "latency_${v#NANOVLLM_}" 150 env "$v" python3 benchmarks/latency.py --batches 1 16 --prefill-seqs 0
-  done
 fi
 if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
   TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick

@@ -384,63 +384,6 @@ def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     assert_close(y, torch.nn.functional.linear(normed.float(), w.float()), dtype, f"add-normed gemv m={m} k={k}")
 
 
-def check_gemv_rows(m: int, n: int, k: int, dtype, bias: bool = False, device="cpu"):
-    """The general kernel's folds (gemv_rows: SiLU-and-mul after gate_up, the residual add with its squares' partial
-    sums, the RMSNorm read from them) against the torch ops in float32; the squares exactly those of the stream
-    returned, padding rows past m never leaking in."""
-    from nanovllm.layers import activation, layernorm
-    from nanovllm.layers.kernels.gemv import MAX_ROWS, gemv_rows
-    x = (torch.randn(m, k, device=device) * 2).to(dtype)
-    w2 = (torch.randn(2 * n, k, device=device) * k ** -0.5).to(dtype)
-    b2 = torch.randn(2 * n, device=device).to(dtype) if bias else None
-    ref = activation.silu_and_mul(torch.nn.functional.linear(x.float(), w2.float(), b2.float() if bias else None))
-    act = gemv_rows(x, w2, b2, silu_out=True)
-    assert act.shape == (m, n)
-    assert_close(act, ref, dtype, f"gemv_rows silu_out m={m} n={n} k={k}")
-    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
-    b = torch.randn(n, device=device).to(dtype) if bias else None
-    residual = (torch.randn(m, n, device=device) * 3).to(dtype)
-    stream, squares = gemv_rows(x, w, b, residual=residual)
-    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None) + residual.float()
-    assert_close(stream, ref, dtype, f"gemv_rows residual m={m} n={n} k={k}")
-    assert squares.dtype == torch.float32 and squares.shape[1] == MAX_ROWS
-    torch.testing.assert_close(squares.sum(0)[:m], stream.float().pow(2).sum(1), rtol=1e-5, atol=1e-4)
-    nw = (torch.rand(n, device=device) + 0.5).to(dtype)
-    w_next = (torch.randn(64, n, device=device) * n ** -0.5).to(dtype)
-    y = gemv_rows(stream, w_next, norm=(nw, 1e-6, squares))
-    ref = torch.nn.functional.linear(layernorm.rms_norm(stream, nw, 1e-6).float(), w_next.float())
-    assert_close(y, ref, dtype, f"gemv_rows norm m={m} n={n} k={k}")
-    with pytest.raises(ValueError, match="gemv_rows"):
-        gemv_rows(x, w2[:-1], silu_out=True)  # an odd number of rows is no [gate; up]
-
-
-def check_decoder_rows(rows: int, dtype, device="cpu"):
-    """Three decoder layers and the final norm on 2-16 rows through DecoderLayer.forward_rows (residual adds in the
-    projections' epilogues, norms read from their squares, SiLU-and-mul in gate_up's) against the plain forward;
-    attention replaced by a fixed map of qkv, as in check_decoder_layer_small_batch."""
-    from types import SimpleNamespace
-
-    from nanovllm.models.decoder import DecoderFlags, DecoderModel
-    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             intermediate_size=96, rms_norm_eps=1e-6, vocab_size=100, num_hidden_layers=3,
-                             max_position_embeddings=64, rope_theta=10000.0)
-    model = DecoderModel(config, DecoderFlags(qkv_bias=True, o_bias=True, mlp_bias=True)).to(device=device,
-                                                                                              dtype=dtype)
-    for p in model.parameters():
-        p.data.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    for layer in model.layers:
-        mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> attention's
-        layer.self_attn.attention = lambda positions, qkv, mix=mix: qkv @ mix
-    ids = torch.randint(0, 100, (rows,), device=device)
-    positions = torch.arange(rows, device=device)
-    model.fuse_rows = False
-    want = model(ids, positions)
-    model.use_compiled(True)
-    assert model.fuse_rows
-    got = model(ids, positions)
-    assert_close(got, want.float(), dtype, f"decoder, rows path, {rows} rows")
-
-
 def check_decoder_layer_small_batch(rows: int, dtype, device="cpu"):
     """Two decoder layers on one row through forward_small (norms, residual adds and SiLU-and-mul inside the
     projections' kernels) against the plain forward; attention replaced by a fixed map of qkv (its kernels have
@@ -493,16 +436,6 @@ def test_gemv_kernel(m, n, k, bias, dtype):
 def test_gemv_fused_kernel(m, n, k, dtype):
     # one row: folded into the one-row kernel; past its K or with more rows: the separate kernels, then the layer
     check_gemv_fused(m, n, k, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k,bias", [(2, 64, 1024, False), (5, 40, 300, True), (16, 96, 512, True)])
-def test_gemv_rows_kernel(m, n, k, bias, dtype):
-    check_gemv_rows(m, n, k, dtype, bias)
-
-
-def test_decoder_rows():
-    check_decoder_rows(5, torch.float16)
 
 
 def test_decoder_layer_small_batch():

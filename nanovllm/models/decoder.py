@@ -1,7 +1,6 @@
 """One decoder for the Llama family. Qwen3, Qwen2, Llama and Mistral differ only by the flags in
 DecoderFlags (q/k RMSNorm, qkv bias, rope scaling), read from the Hugging Face config; Qwen3-MoE and Mixtral add
 `moe`, and each layer's MLP is then dense or mixture-of-experts as the config says (moe_layer)."""
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +10,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    one_row,
-    small_batch_rows,
-)
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, one_row
 from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
@@ -57,12 +50,6 @@ def moe_layer(config, layer: int) -> bool:
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
-def fold_rows(what: str) -> bool:
-    """The 2-16-row folds: "silu" (SiLU-and-mul in gate_up's kernel) and "norms" (DecoderLayer.forward_rows).
-    NANOVLLM_FOLD_ROWS: "1" both, "0" neither, "silu" that one (to compare)."""
-    return os.environ.get("NANOVLLM_FOLD_ROWS", "1") in ("1", what)
-
-
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -97,10 +84,6 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
-        return self.o_proj(self.attention(positions, qkv))
-
-    def attention(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """q/k norm, rotary and attention: [tokens, heads * head_dim], before o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -116,7 +99,8 @@ class DecoderAttention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        return self.attn(q, k, v, stored=stored).flatten(1, -1)
+        o = self.attn(q, k, v, stored=stored)
+        return self.o_proj(o.flatten(1, -1))
 
 
 class DecoderMLP(nn.Module):
@@ -129,15 +113,8 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias)
         self.act_fn = SiluAndMul()
-        self.fold_silu = False  # CUDA: 2-16 rows take SiLU-and-mul inside the gate_up kernel
-
-    def use_compiled(self, enabled: bool = True):
-        self.fold_silu = enabled and fold_rows("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fold_silu and x.shape[0] > 1 and small_batch_rows(x, self.gate_up_proj.weight):
-            from nanovllm.layers.kernels.gemv import gemv_rows
-            return self.down_proj(gemv_rows(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_out=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -179,25 +156,6 @@ class DecoderLayer(nn.Module):
         gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, self.post_attention_layernorm, residual)
         return mlp.down_proj(gate_up, gated=True), residual
 
-    def forward_rows(self, positions, stream, squares):
-        """The same layer for 2-16 16-bit rows on one rank (DecoderModel.forward): stream is the residual stream
-        (the sum of everything so far, before this layer's norm); each residual add runs in the epilogue of the
-        projection before it, which leaves the rows' partial sums of squares for the next norm, read inside the
-        next projection's kernel; SiLU-and-mul runs in gate_up's epilogue (layers/kernels/gemv.py's gemv_rows):
-        three kernels fewer per layer. squares None: stream is the embedding, normed by its own kernel.
-        Returns (the new stream, its squares)."""
-        from nanovllm.layers.kernels.gemv import gemv_rows
-        attn, mlp, norm, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        if squares is None:
-            qkv = attn.qkv_proj(norm(stream))
-        else:
-            qkv = gemv_rows(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(norm.weight, norm.eps, squares))
-        stream, squares = gemv_rows(attn.attention(positions, qkv), attn.o_proj.weight, attn.o_proj.bias,
-                                    residual=stream)
-        act = gemv_rows(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                        norm=(post.weight, post.eps, squares), silu_out=True)
-        return gemv_rows(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
-
 
 class DecoderModel(nn.Module):
     def __init__(self, config, flags: DecoderFlags):
@@ -209,22 +167,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fuse_rows = False  # CUDA, one rank, dense MLPs: 2-16 rows take DecoderLayer.forward_rows
-
-    def use_compiled(self, enabled: bool = True):
-        # forward_rows adds each residual inside a projection's epilogue: before a tensor-parallel all-reduce that
-        # would be wrong, so one rank only
-        self.fuse_rows = enabled and fold_rows("norms") and all(
-            isinstance(layer.mlp, DecoderMLP) and layer.self_attn.o_proj.tp_size == 1 for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        if self.fuse_rows and hidden.dim() == 2 and 1 < hidden.shape[0] and \
-                small_batch_rows(hidden, self.layers[0].self_attn.qkv_proj.weight):
-            squares = None
-            for layer in self.layers:
-                hidden, squares = layer.forward_rows(positions, hidden, squares)
-            return self.norm(hidden)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
