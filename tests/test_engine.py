@@ -210,6 +210,24 @@ def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_t
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
 
+def test_the_max_size_warmup_runs_where_cuda_runs_it(qwen3_tied, monkeypatch):
+    """CUDA sizes the KV cache after a max-size prefill (warmup.warmup), halfway through the runner's start: whatever
+    a step reads must be set by then (a tensor-parallel attribute set after it once made every CUDA start raise).
+    Run it at that point here, then check the engine is still exact."""
+    from nanovllm.engine import kv_cache, warmup
+    count_blocks, ran = kv_cache.count_blocks, []
+
+    def warm_then_count(runner):
+        warmup.warmup(runner)
+        ran.append(runner.rank)
+        return count_blocks(runner)
+    monkeypatch.setattr(kv_cache, "count_blocks", warm_then_count)
+    llm = LLM(qwen3_tied, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
+    assert ran == [0]
+    prompts = _prompts(14, [9, 30])
+    _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
 def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     # (the plain loop: with async scheduling, CUDA's default, llm.step() returns before the new request's prefill)
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128, async_scheduling=False)

@@ -55,10 +55,12 @@ def _prefill(runner, seqs: list[Sequence]):
 def warmup(runner):
     """One prefill as large as a step can be, and sampling for the largest decode batch.
 
-    The KV cache is not allocated yet, so the measured peak holds only weights and activations."""
+    The KV cache is not allocated yet, so the measured peak holds only weights and activations. (CUDA runs it;
+    the tests run it on CPU too, at the same point of the runner's start.)"""
     cfg = runner.config
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if runner.is_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
     num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
     seqs = [Sequence([0] * seq_len, runner.block_size) for _ in range(num_seqs)]
@@ -72,8 +74,9 @@ def warmup(runner):
         runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
         runner.sampler(logits[:1], SamplingTensors(temperatures[:1]), runner.generator)  # batch 1 compiles apart
         del logits
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if runner.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 # The Triton prefill kernel is compiled per query tile (16 rows for the longest query up to 16 tokens, else the
