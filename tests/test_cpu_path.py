@@ -62,6 +62,27 @@ def test_the_engine_packs_its_linear_weights_and_a_tied_head_keeps_the_embedding
     llm.update_weights(hf_model(qwen3_b).state_dict())
     assert llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 10)
 
+    # a few matrices: just those are unpacked and packed again (the others keep their packed Parameters), the
+    # q shard lands in its rows of qkv_proj, and the engine computes with them
+    before = dict(model.named_parameters())
+    update = {"model.layers.1.self_attn.q_proj.weight": other["model.layers.1.self_attn.q_proj.weight"],
+              "model.layers.0.mlp.down_proj.weight": other["model.layers.0.mlp.down_proj.weight"]}
+    llm.update_weights(list(update.items()))
+    after = dict(model.named_parameters())
+    changed = {name for name in linear if after[name] is not before[name]}
+    assert changed == {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    assert all(after[name].is_mkldnn for name in linear)
+    q_rows = update["model.layers.1.self_attn.q_proj.weight"].shape[0]
+    qkv = after["model.layers.1.self_attn.qkv_proj.weight"].to_dense()
+    assert torch.equal(qkv[:q_rows], update["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(qkv[q_rows:], before["model.layers.1.self_attn.qkv_proj.weight"].to_dense()[q_rows:])
+    # the embedding alone: the tied head's packed copy follows it, no linear weight is touched
+    before = dict(model.named_parameters())
+    llm.update_weights([("model.embed_tokens.weight", other["model.embed_tokens.weight"])])
+    assert all(dict(model.named_parameters())[name] is before[name] for name in linear)
+    assert torch.equal(model.lm_head.packed.to_dense(), other["model.embed_tokens.weight"])
+    llm.update_weights(hf_model(qwen3_b).state_dict())
+
     cpu_weights.unpack(model)  # the dense weights are the checkpoint's, exactly
     reference = hf_model(qwen3_b).state_dict()
     dense = dict(model.named_parameters())

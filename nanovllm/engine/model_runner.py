@@ -142,15 +142,12 @@ class ModelRunner:
     @torch.inference_mode()
     def update_weights(self, weights: list | str, require_all: bool = False):
         """Copy (name, tensor) pairs, or a checkpoint directory's tensors, into this rank's shards in place (CUDA
-        graphs keep pointing at the same memory; on CPU the packed float32 weights are unpacked first and packed
-        again after, into new storage: layers/cpu_weights.py)."""
+        graphs keep pointing at the same memory; on CPU each packed float32 weight written is unpacked first and
+        packed again after, into new storage: layers/cpu_weights.py)."""
         source = weights if isinstance(weights, str) else "update_weights"
-        cpu_weights.unpack(self.model)
-        try:
+        with cpu_weights.unpacked_on_write(self.model):
             load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
                                require_all)
-        finally:
-            cpu_weights.pack(self.model)
         if self.is_cuda:
             torch.cuda.synchronize()
 

@@ -5,9 +5,12 @@ EPYC the bundled 135M model's matmuls took 54.3 ms per one-row step with layers/
 packed weights (32 rows: 120.5 -> 97.0 ms; 512 rows: 1,172 -> 1,005; benchmarks/cpu_ops.py). Packing replaces the
 parameter's storage (no second copy): `layer.weight` becomes a new Parameter of the same name, shape and dtype, in
 torch's mkldnn layout, which only `linear` below and `unpack` read. The runner unpacks before anything writes
-weights (update_weights, which packs again after; sleep level 2, before freeing them: the update_weights that
-brings them back packs them). A weight that an embedding shares (a tied LM head) stays dense for the lookup; the
+weights (update_weights unpacks just the weights it writes, as it writes them, and packs them again after:
+`unpacked_on_write`; sleep level 2 unpacks all before freeing them: the update_weights that brings them back packs
+them). A weight that an embedding shares (a tied LM head) stays dense for the lookup; the
 head then keeps its own packed copy in `packed` (one more copy of that matrix)."""
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -52,7 +55,7 @@ def pack(model: nn.Module) -> int:
         return 0
     count = 0
     for module, shared in _matmul_modules(model):
-        if not _packable(module.weight):
+        if not _packable(module.weight) or (shared and getattr(module, "packed", None) is not None):
             continue
         packed = pack_tensor(module.weight.data)
         if shared:  # the embedding keeps the dense weight; the head multiplies by its own copy
@@ -70,3 +73,32 @@ def unpack(model: nn.Module):
             module.packed = None
         if module.weight.is_mkldnn:
             _replace_weight(module, module.weight.data.to_dense())
+
+
+@contextmanager
+def unpacked_on_write(model: nn.Module):
+    """While it lasts, a weight_loader call on a packed weight (or on the weight a tied head copies) first makes that
+    weight dense again; at the end everything dense that packs is packed again, also after a load that failed
+    halfway. A weight update that writes a few matrices repacks those, not all (update_weights)."""
+    wrapped = []  # (parameter, its own loader)
+    for module, shared in _matmul_modules(model):
+        weight = module.weight
+        if not (weight.is_mkldnn or (shared and getattr(module, "packed", None) is not None)):
+            continue
+        loader = weight.weight_loader
+
+        def write(param, *args, module=module, shared=shared, loader=loader):
+            if shared:
+                module.packed = None  # copied again from the new values at the end
+            elif module.weight.is_mkldnn:
+                _replace_weight(module, module.weight.data.to_dense())
+                module.weight.weight_loader = loader
+            return loader(module.weight, *args)
+        weight.weight_loader = write
+        wrapped.append((weight, loader))
+    try:
+        yield
+    finally:
+        for weight, loader in wrapped:
+            weight.weight_loader = loader
+        pack(model)
