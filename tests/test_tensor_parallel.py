@@ -323,6 +323,8 @@ def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
         workers = llm.executor.workers
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     _assert_nothing_left(workers)
+    # a polite exit: each worker left by itself, cleanly (not terminated, not an error on its way out)
+    assert [p.exitcode for p in workers.processes] == [0] * len(workers.processes)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     # At interpreter exit: a script that never calls exit().
