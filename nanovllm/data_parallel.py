@@ -9,6 +9,7 @@ first and says so, so a bad request raises here before any replica generates, an
 import atexit
 import logging
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -85,6 +86,11 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     finally:
         if llm is not None:
             llm.exit()
+    # Leave without the interpreter's teardown (most of a CPU replica's 0.7 s exit): the engine is shut down,
+    # and the OS takes back the memory and the devices.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve_stream(llm, conn: connection.Connection, indices: list[int], prompts, params):
