@@ -54,6 +54,19 @@ def test_llama3_rope_frequencies_match_transformers(tmp_path):
     assert not torch.allclose(ours, plain), "the test scaling should change the frequencies"
 
 
+def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
+    # check_weights builds the model on the meta device for its names and shapes: the rotary cache there is an empty
+    # meta tensor of the real shape (computing it went through torch._refs: 2.3 s of a first update_weights)
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    with torch.device("meta"):
+        meta = RotaryEmbedding(16, 64, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    real = RotaryEmbedding(16, 64, 10000.0)
+    assert meta.cos_sin_cache.is_meta and meta.cos_sin_cache.shape == real.cos_sin_cache.shape == (64, 16)
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"), torch.device("meta"):
+        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn"})
+
+
 def test_eos_list_in_generation_config_stops(tmp_path):
     path = make_checkpoint(tmp_path, "llama", tie=False, seed=1)
     prompt = PROMPTS[1]

@@ -23,14 +23,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type not in ("default", None):
+        if rope_type not in ("default", None, "llama3"):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
+        if torch.empty(0).is_meta:  # a layout copy (ModelRunner.check_weights): the shape is enough, and arange
+            # on the meta device imports torch._refs (2.3 s of a CPU RL loop's first update_weights)
+            cache = torch.empty(max_position, head_dim)
+        else:
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            if rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+            cache = torch.cat([freqs.cos(), freqs.sin()], -1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
         self.fn = apply_rotary
         self._rows: tuple | None = None  # (positions, their cache rows): every layer of a step shares them
