@@ -9,7 +9,6 @@ first and says so, so a bad request raises here before any replica generates, an
 import atexit
 import logging
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from nanovllm.engine.llm_engine import as_request_lists
 from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_outputs import require_xgrammar
+from nanovllm.utils.process import leave_now
 
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
@@ -86,11 +86,7 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     finally:
         if llm is not None:
             llm.exit()
-    # Leave without the interpreter's teardown (most of a CPU replica's 0.7 s exit): the engine is shut down,
-    # and the OS takes back the memory and the devices.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_now(0)  # the engine is shut down: no interpreter teardown (utils/process.py)
 
 
 def _serve_stream(llm, conn: connection.Connection, indices: list[int], prompts, params):

@@ -57,12 +57,14 @@ def test_llama3_rope_frequencies_match_transformers(tmp_path):
 def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
     # check_weights builds the model on the meta device for its names and shapes: the rotary cache there is an empty
     # meta tensor of the real shape (computing it went through torch._refs: 2.3 s of a first update_weights)
+    from nanovllm.engine.model_runner import _default_dtype
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
-    with torch.device("meta"):
+    with torch.device("meta"), _default_dtype(torch.bfloat16):  # as ModelRunner builds a layout copy
         meta = RotaryEmbedding(16, 64, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     real = RotaryEmbedding(16, 64, 10000.0)
     assert meta.cos_sin_cache.is_meta and meta.cos_sin_cache.shape == real.cos_sin_cache.shape == (64, 16)
+    assert meta.cos_sin_cache.dtype == real.cos_sin_cache.dtype == torch.float32
     with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"), torch.device("meta"):
         RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn"})
 

@@ -46,20 +46,31 @@ def _compile_for_hopper(fn, pointer_types: dict[str, str], constexprs: dict, **o
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (fn.__name__, constexprs, kernel.metadata.shared)
 
 
-def test_compile_tally_counts_a_compile():
-    # the start-up log's Triton tally (engine/warmup.py): one kernel compiled or found on disk, listener restored
+def test_compile_tally_counts_a_compile(monkeypatch):
+    # the start-up log's Triton tally (engine/warmup.py): one kernel compiled or found on disk; a listener set before
+    # hears it too and is put back; a Triton without a listener says so instead of counting 0
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
     from triton import knobs
 
     from nanovllm.engine.warmup import counting_compiles
     from nanovllm.layers.kernels import activation
+    heard = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
     before = knobs.compilation.listener
     with counting_compiles() as tally:
         _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16"},
                             dict(BLOCK=256, PDL=False), num_warps=2)
-    assert tally.compiled + tally.cached == 1, tally
+    assert tally.compiled + tally.cached == 1 and len(heard) == 1, (tally, heard)
     assert tally.seconds > 0 if tally.compiled else tally.seconds == 0
     assert knobs.compilation.listener is before
     assert "kernels compiled" in str(tally)
+    monkeypatch.setattr(knobs, "compilation", SimpleNamespace())  # (Triton before 3.4)
+    with pytest.raises(KeyError) as raised, counting_compiles() as tally:
+        raise KeyError("the start-up's own error")
+    assert not tally.counted and "not counted" in str(tally)
+    assert raised.value.__context__ is None  # not chained to the missing listener
 
 
 def test_kernels_compile_for_hopper():

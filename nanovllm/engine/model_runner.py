@@ -1,7 +1,7 @@
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ from nanovllm.config import Config
 from nanovllm.engine import kv_cache
 from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.warmup import counting_compiles, warmup_prefill_variants
+from nanovllm.engine.warmup import CompileTally, counting_compiles, warmup_prefill_variants
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
@@ -47,11 +47,13 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
         self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
-        with counting_compiles() as self.compiles:  # (CompileTally: the kernels behind the warm-ups)
+        # the Triton kernels behind the warm-ups (CompileTally; CUDA only: a CPU start imports no Triton)
+        self.compiles: CompileTally | None = None
+        with counting_compiles() if self.is_cuda else nullcontext() as self.compiles:
             self._start()
         if rank == 0:
-            logger.info("start-up: %s; %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()),
-                        self.compiles)
+            logger.info("start-up: %s%s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()),
+                        f"; {self.compiles}" if self.compiles is not None else "")
 
     def _start(self):
         config, group = self.config, self.group

@@ -16,36 +16,47 @@ class CompileTally:
     compiled: int = 0  # kernels compiled (not found in Triton's on-disk cache)
     seconds: float = 0.0  # their compile time, as Triton measures it
     cached: int = 0  # kernels loaded from the on-disk cache
+    counted: bool = True  # False: this Triton has no compilation listener (before 3.4)
 
     def __str__(self):
+        if not self.counted:
+            return "Triton compiles not counted (no compilation listener in this Triton)"
         return f"Triton {self.compiled} kernels compiled in {self.seconds:.1f}s, {self.cached} from cache"
 
 
 @contextmanager
 def counting_compiles():
     """Yields a CompileTally of the Triton kernels compiled or loaded from disk meanwhile (Triton's compilation
-    listener; a Triton without one counts nothing). A listener set before is called too, and put back after."""
+    listener). A listener set before is called too, and put back after unless another replaced ours meanwhile. The
+    tally never fails a compile: an event it cannot read is left uncounted."""
     tally = CompileTally()
     try:
         from triton import knobs
         before = knobs.compilation.listener
     except (ImportError, AttributeError):
+        knobs = None
+    if knobs is None:  # (outside the except: an error in the block is not chained to this one)
+        tally.counted = False
         yield tally
         return
 
     def listen(**kw):
-        if kw["cache_hit"]:
-            tally.cached += 1
-        else:
-            tally.compiled += 1
-            tally.seconds += kw["times"].total / 1e6  # microseconds
+        try:
+            if kw["cache_hit"]:
+                tally.cached += 1
+            else:
+                tally.compiled += 1
+                tally.seconds += kw["times"].total / 1e6  # microseconds
+        except Exception:
+            pass
         if before is not None:
             before(**kw)
     knobs.compilation.listener = listen
     try:
         yield tally
     finally:
-        knobs.compilation.listener = before
+        if knobs.compilation.listener is listen:
+            knobs.compilation.listener = before
 
 
 def _prefill(runner, seqs: list[Sequence]):

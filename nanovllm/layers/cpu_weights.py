@@ -87,13 +87,13 @@ def unpacked_on_write(model: nn.Module):
             continue
         loader = weight.weight_loader
 
-        def write(param, *args, module=module, shared=shared, loader=loader):
+        def write(param, *args, module=module, shared=shared, loader=loader, **kwargs):
             if shared:
                 module.packed = None  # copied again from the new values at the end
             elif module.weight.is_mkldnn:
                 _replace_weight(module, module.weight.data.to_dense())
                 module.weight.weight_loader = loader
-            return loader(module.weight, *args)
+            return loader(module.weight, *args, **kwargs)
         weight.weight_loader = write
         wrapped.append((weight, loader))
     try:

@@ -1,0 +1,22 @@
+"""Leaving a worker process (a tensor-parallel rank, a data-parallel replica) once it has shut down cleanly."""
+import ctypes
+import os
+import sys
+
+
+def leave_now(code: int = 0):
+    """os._exit after flushing what would be lost: Python's stdout/stderr and C's stdio buffers (NCCL or oneDNN
+    logs written to a pipe or file). It skips the interpreter's teardown (every tensor freed one by one, modules
+    unloaded: 0.6 s of a 0.7 s CPU worker exit), which a process that has closed its group and channels does not
+    need: the OS takes back the memory and the devices. A stream that cannot flush (closed, its reader gone) is
+    skipped: the exit must still happen."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
+    os._exit(code)
