@@ -42,6 +42,8 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
+    if args.new_tokens < 1 or args.prefill_seqs < 0 or min(args.batches) < 1:
+        p.error("--new-tokens and every --batches value must be at least 1, --prefill-seqs at least 0")
     dummy = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
     t = time.perf_counter()
     llm = LLM(args.model, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **dummy)

@@ -96,10 +96,12 @@ class TorchAttention(AttentionBackend):
         if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
             lens = context.context_lens.long()
             order = torch.argsort(lens, stable=True)
+            sorted_lens = lens[order].tolist()  # one read of the lengths for every group (on CUDA: one sync)
             groups = []
-            for ids in order.split(self.GROUP):
+            for i, ids in enumerate(order.split(self.GROUP)):
                 g_lens = lens[ids]
-                length = int(g_lens.max()) if g_lens.numel() else 0
+                last = min(len(sorted_lens), (i + 1) * self.GROUP) - 1  # sorted: a group's last is its longest
+                length = sorted_lens[last] if last >= 0 else 0  # (an empty batch splits into one empty group)
                 steps = torch.arange(length, device=lens.device).unsqueeze(0)
                 pos = torch.minimum(steps, (g_lens - 1).clamp(min=0).unsqueeze(1))
                 blocks = context.block_tables[ids].long().gather(1, pos // block_size).clamp(min=0)
