@@ -121,15 +121,17 @@ def test_kernels_compile_for_hopper():
 def test_elementwise_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     from nanovllm.layers.kernels import activation, rope
-    for norm, store, quant in ((True, True, False), (True, False, False), (False, True, False), (True, True, True)):
+    for norm, store, quant, heads in ((True, True, False, 0), (True, False, False, 0), (False, True, False, 0),
+                                      (True, True, True, 0), (True, True, False, 2), (True, True, True, 1)):
         cache = "*fp8e4nv" if quant else "*bf16"
         _compile_for_hopper(rope._qk_norm_rope_kernel,
                             {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")}
                             | {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32",
                                "v_scale_ptr": "*fp32", "positions_ptr": "*i64", "cache_ptr": "*fp32",
                                "slot_ptr": "*i32", "eps": "fp32"},
-                            dict(NORM=norm, BLOCK_HQ=16, BLOCK_HK=8, HALF=64, STORE=store, BLOCK_SIZE=256,
-                                 QUANT=quant, FP8_MAX=448.0), num_warps=4)
+                            dict(NORM=norm, BLOCK_HQ=heads or 16, BLOCK_HK=heads or 8, HALF=64, STORE=store,
+                                 BLOCK_SIZE=256, QUANT=quant, FP8_MAX=448.0),
+                            num_warps=max(1, heads // 2) if heads else 4)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import norm, race
@@ -281,6 +283,8 @@ def test_gpu_decode_cuda_graph():
 def test_gpu_rope_and_silu(tokens, norm):
     from tests.triton_kernel_checks import check_qk_norm_rope, check_race, check_rms_norm, check_silu_and_mul
     check_qk_norm_rope(tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
+    for heads in (1, 2, 4):
+        check_qk_norm_rope(min(tokens, 256), 16, 8, 128, torch.bfloat16, norm, device="cuda", heads_per_program=heads)
     check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
     check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
     check_race(min(tokens, 256), 151936, torch.bfloat16, device="cuda")
@@ -289,6 +293,11 @@ def test_gpu_rope_and_silu(tokens, norm):
     check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256)
     check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256,
                              kv_dtype=torch.float8_e4m3fn)
+    for heads in (1, 2):
+        check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256,
+                                 heads_per_program=heads)
+        check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256,
+                                 kv_dtype=torch.float8_e4m3fn, heads_per_program=heads)
     if tokens == 1:
         from tests.triton_kernel_checks import check_race_draws
         check_race_draws(torch.bfloat16, device="cuda", rows=20000, vocab=151936)

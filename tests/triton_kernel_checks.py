@@ -209,7 +209,8 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
             assert torch.equal(out[s], torch.zeros_like(out[s]))
 
 
-def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, norm: bool, device="cpu"):
+def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, norm: bool, device="cpu",
+                       heads_per_program: int = 0):
     """The fused q/k RMSNorm + rotary kernel, in place on views of one qkv projection, against the torch modules
     (norm in float32 then rounded, as the reference does; rotary over positions anywhere in the cache)."""
     from nanovllm.layers.kernels.rope import qk_norm_rope_
@@ -224,14 +225,16 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
     if norm:
         ref_q, ref_k = rms_norm(ref_q, q_w.float(), 1e-6), rms_norm(ref_k, k_w.float(), 1e-6)
     ref_q, ref_k = rope(positions, ref_q, ref_k)
-    out_q, out_k = qk_norm_rope_(q, k, positions, rope.cos_sin_cache, *((q_w, k_w, 1e-6) if norm else ()))
+    out_q, out_k = qk_norm_rope_(q, k, positions, rope.cos_sin_cache, *((q_w, k_w, 1e-6) if norm else ()),
+                                 heads_per_program=heads_per_program)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     assert_close(q, ref_q.to(dtype), dtype, f"rope q norm={norm}")
     assert_close(k, ref_k.to(dtype), dtype, f"rope k norm={norm}")
     assert torch.equal(v, v_before), "the rotary kernel wrote into v"
 
 
-def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int = 16, kv_dtype=None):
+def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int = 16, kv_dtype=None,
+                             heads_per_program: int = 0):
     """The rotary kernel writing the K/V cache itself: the cache afterwards equals the rotary kernel then
     store_kvcache's (skipped slots -1 untouched), q and k as without the store. kv_dtype fp8: V token-major as the
     engine stores it, and the scales too."""
@@ -255,9 +258,11 @@ def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int =
     want_cache = [c.clone() for c in caches]  # (clone keeps a token-major V's strides, in a buffer of its own)
     want_scales = [s.clone() for s in scales]
     q2, k2 = q.clone(), k.clone()
-    qk_norm_rope_(q2, k2, positions, rope.cos_sin_cache, q_w, k_w, 1e-6)
+    # (the same heads per program: another split of a token's heads may round the norm's sum differently)
+    qk_norm_rope_(q2, k2, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, heads_per_program=heads_per_program)
     store_kvcache(k2, v, *want_cache, slots, *want_scales)
-    qk_norm_rope_(q, k, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, store=(v, *caches, slots, *scales))
+    qk_norm_rope_(q, k, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, store=(v, *caches, slots, *scales),
+                  heads_per_program=heads_per_program)
     assert torch.equal(q, q2) and torch.equal(k, k2)
     for got, want in zip(caches + scales, want_cache + want_scales):
         assert torch.equal(fp8.raw(got), fp8.raw(want))
@@ -446,6 +451,9 @@ def test_decoder_layer_small_batch():
 def test_rope_store_kernel(dtype):
     check_qk_norm_rope_store(5, dtype)
     check_qk_norm_rope_store(5, dtype, kv_dtype=torch.float8_e4m3fn)
+    # two heads per program (decode batches): 4 q heads in two programs, 3 K/V heads in two (one head masked)
+    check_qk_norm_rope_store(5, dtype, heads_per_program=2)
+    check_qk_norm_rope_store(5, dtype, kv_dtype=torch.float8_e4m3fn, heads_per_program=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -465,6 +473,8 @@ def test_race_kernel_draws(dtype):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
 def test_rope_kernel(heads, kv_heads, head_dim, norm, dtype):
     check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm)
+    if norm:
+        check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm, heads_per_program=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

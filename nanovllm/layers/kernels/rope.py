@@ -1,7 +1,8 @@
 """Rotary embedding (neox style, the whole head) of q and k in place, with Qwen3's per-head q/k RMSNorm before it:
-one program per token for all its q and k heads, instead of a chain of compiled kernels (norm q, norm k, rotate
-q, rotate k) that each re-read the heads. Used by the decoder on CUDA (layers/rotary_embedding.py is the torch
-reference, layers/layernorm.py's rms_norm the norm's)."""
+one program per token for all its q and k heads (at decode batches of a few tokens, a few heads per program),
+instead of a chain of compiled kernels (norm q, norm k, rotate q, rotate k) that each re-read the heads. Used by
+the decoder on CUDA (layers/rotary_embedding.py is the torch reference, layers/layernorm.py's rms_norm the
+norm's)."""
 import torch
 import triton
 import triton.language as tl
@@ -10,9 +11,9 @@ from nanovllm.layers.kernels.store_kvcache import row_scale, to_fp8
 
 
 @triton.jit
-def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, num_heads, cos, sin, eps,
+def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, h0, num_heads, cos, sin, eps,
                   NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
     ptr = x_ptr + token.to(tl.int64) * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
@@ -54,42 +55,62 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
                          STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
                          FP8_MAX: tl.constexpr):
-    token = tl.program_id(0)
+    token, chunk = tl.program_id(0), tl.program_id(1)
+    q_chunks = tl.cdiv(num_q_heads, BLOCK_HQ)
+    together = tl.num_programs(1) == 1  # one program rotates all the token's heads (q, then k)
     pos = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d)[None, :]  # the cache rows are [cos | sin], float32
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d)[None, :]
-    _rotate_heads(q_ptr, q_w_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, eps, NORM, BLOCK_HQ, HALF)
-    k1, k2 = _rotate_heads(k_ptr, k_w_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, eps, NORM, BLOCK_HK,
-                           HALF)
-    if STORE:  # the token's K and V rows into the paged cache, as store_kvcache.py would (slot -1: skip)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot >= 0:
-            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            offs_h = tl.arange(0, BLOCK_HK)
-            mask_h = offs_h < num_k_heads
-            mask = mask_h[:, None]
-            v = v_ptr + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            v1 = tl.load(v, mask=mask, other=0.0)
-            v2 = tl.load(v + HALF, mask=mask, other=0.0)
-            scale_dst = block * stride_sb + offs_h * stride_sh + offset
-            _store_halves(k_cache_ptr, k_scale_ptr, k1, k2, block * stride_kb + offset * stride_ks
-                          + offs_h[:, None] * stride_kh_c + offs_d[None, :], 1, scale_dst, mask_h, QUANT, FP8_MAX, HALF)
-            _store_halves(v_cache_ptr, v_scale_ptr, v1, v2, block * stride_vb + offset * stride_vs
-                          + offs_h[:, None] * stride_vh_c + offs_d[None, :] * stride_vd, stride_vd, scale_dst, mask_h,
-                          QUANT, FP8_MAX, HALF)
+    if together or chunk < q_chunks:
+        _rotate_heads(q_ptr, q_w_ptr, stride_qt, stride_qh, token, chunk * BLOCK_HQ, num_q_heads, cos, sin, eps,
+                      NORM, BLOCK_HQ, HALF)
+    if together or chunk >= q_chunks:
+        h0 = 0 if together else (chunk - q_chunks) * BLOCK_HK
+        k1, k2 = _rotate_heads(k_ptr, k_w_ptr, stride_kt, stride_kh, token, h0, num_k_heads, cos, sin, eps, NORM,
+                               BLOCK_HK, HALF)
+        if STORE:  # the token's K and V rows of these heads into the paged cache, as store_kvcache.py would
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            if slot >= 0:  # (slot -1: skip)
+                block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                offs_h = h0 + tl.arange(0, BLOCK_HK)
+                mask_h = offs_h < num_k_heads
+                mask = mask_h[:, None]
+                v = v_ptr + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+                v1 = tl.load(v, mask=mask, other=0.0)
+                v2 = tl.load(v + HALF, mask=mask, other=0.0)
+                scale_dst = block * stride_sb + offs_h * stride_sh + offset
+                _store_halves(k_cache_ptr, k_scale_ptr, k1, k2, block * stride_kb + offset * stride_ks
+                              + offs_h[:, None] * stride_kh_c + offs_d[None, :], 1, scale_dst, mask_h, QUANT,
+                              FP8_MAX, HALF)
+                _store_halves(v_cache_ptr, v_scale_ptr, v1, v2, block * stride_vb + offset * stride_vs
+                              + offs_h[:, None] * stride_vh_c + offs_d[None, :] * stride_vd, stride_vd, scale_dst,
+                              mask_h, QUANT, FP8_MAX, HALF)
+
+SPLIT_HEADS_UP_TO = 16  # tokens (decode batch sizes) whose heads are spread over programs, HEADS_PER_PROGRAM each
+HEADS_PER_PROGRAM = 2
+
+
+def heads_per_token(tokens: int) -> int:
+    """Heads per program (0: all of a token's, one program per token). A few tokens give a few programs, one per
+    token on as many SMs: two heads per program took the kernel from 2.6 to 2.2 us at batch 1 on an H200 and from
+    2.9 to 2.7 at batch 16 (benchmarks/profile_step.py, docs/benchmarks.md); at batch 64 it did not help."""
+    return HEADS_PER_PROGRAM if tokens <= SPLIT_HEADS_UP_TO else 0
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6, store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 1e-6, store: tuple | None = None,
+                  heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] (views of the qkv projection are fine: the
     last dimension must be contiguous); positions [tokens] int64; cos_sin_cache [max_position, head_dim] float32.
     With q_weight/k_weight, each head is RMS-normalized (eps) and scaled first. Writes q and k in place and
     returns them. store=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]): also writes each token's rotated
     K and its V into the paged cache [num_blocks, block_size, kv_heads, head_dim] (K unit-stride along head_dim,
     V any layout) at its slot, fp8 with its scales, as store_kvcache does: one kernel fewer per layer. (One
-    program per token stores a token-major V byte by byte: decode steps only, where store_kvcache does the same.)"""
+    program per token stores a token-major V byte by byte: decode steps only, where store_kvcache does the same.)
+    heads_per_program (a power of two): each program rotates that many q or k heads of one token (and stores
+    those K/V heads), else one program per token does them all (heads_per_token's choice)."""
     tokens, num_q_heads, head_dim = q.shape
     if tokens == 0:
         return q, k
@@ -103,15 +124,25 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         raise ValueError("qk_norm_rope_(store=...) takes unit-stride V rows, two caches of one shape (K unit-stride "
                          "along head_dim), a slot per token and, for fp8, two scale tensors of one layout")
     k_scale, v_scale = scales if quant else (k, k)
-    _qk_norm_rope_kernel[(tokens,)](
+    num_k_heads = k.size(1)
+    if heads_per_program is None:
+        heads_per_program = heads_per_token(tokens)
+    if heads_per_program:
+        block_hq = block_hk = heads_per_program
+        chunks = triton.cdiv(num_q_heads, block_hq) + triton.cdiv(num_k_heads, block_hk)
+        warps = max(1, min(4, heads_per_program // 2))
+    else:
+        block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
+        chunks, warps = 1, 4
+    _qk_norm_rope_kernel[(tokens, chunks)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, v, k_cache, v_cache,
         k_scale, v_scale, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         *(k_cache.stride()[:3] if store is not None else (0, 0, 0)), *(v_cache.stride() if store is not None else
                                                                       (0, 0, 0, 0)),
-        *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, k.size(1), eps,
-        NORM=norm, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.size(1)),
+        *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, num_k_heads, eps,
+        NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
-        QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=4,
+        QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
     )
     return q, k
