@@ -6,11 +6,11 @@ so the prefix cache still serves them) and balanced by tokens (prompt + n * max_
 order, as one engine would return them. Each replica talks to this process over a pipe: it validates its share
 first and says so, so a bad request raises here before any replica generates, and the replicas stay usable.
 """
-import atexit
 import logging
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Iterator
 from multiprocessing import connection, get_context
 
@@ -106,6 +106,27 @@ def _serve_stream(llm, conn: connection.Connection, indices: list[int], prompts,
     conn.send(("done",))
 
 
+def _stop_replicas(conns: list, processes: list):
+    """Ask every replica to exit (each shuts its own engine down), then make sure none is left."""
+    for conn, process in zip(conns, processes):
+        if process.is_alive():
+            try:
+                conn.send(("exit",))
+            except (OSError, BrokenPipeError):
+                pass
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.terminate()
+            process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+
+
 class DataParallelLLM(ChatMixin):
     """N replicas behind one LLM-shaped object: generate, stream, chat, exit."""
 
@@ -134,7 +155,9 @@ class DataParallelLLM(ChatMixin):
         threads = max(1, (os.cpu_count() or 1) // n)
         ctx = get_context("spawn")
         self.processes, self.conns = [], []
-        atexit.register(self.exit)
+        # stops the replicas at interpreter exit, or when this object is garbage-collected without exit() (it
+        # holds the lists, not self: `del llm` frees the GPUs)
+        self._finalizer = weakref.finalize(self, _stop_replicas, self.conns, self.processes)
         try:
             for rank in range(n):
                 parent_end, child_end = ctx.Pipe()
@@ -272,24 +295,7 @@ class DataParallelLLM(ChatMixin):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.exit)
-        for conn, process in zip(self.conns, self.processes):
-            if process.is_alive():
-                try:
-                    conn.send(("exit",))
-                except (OSError, BrokenPipeError):
-                    pass
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.terminate()
-                process.join(5.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for conn in self.conns:
-            conn.close()
+        self._finalizer()
 
     def __enter__(self) -> "DataParallelLLM":
         return self

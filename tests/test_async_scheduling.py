@@ -91,6 +91,16 @@ def test_abandoned_stream_and_step_api(qwen3_tied):
     while not llm.is_finished():
         llm.step()
     assert seq.completion_token_ids == hf_greedy(qwen3_tied, prompt, 8)
+    # the inner step loop still referenced elsewhere when the stream is closed (a traceback, a reference cycle: on a
+    # GPU the next generate once found the closed stream's request still running): closing aborts it all the same
+    held, real_run = [], llm._run
+    llm._run = lambda *args: held.append(real_run(*args)) or held[-1]
+    it = llm.stream(_prompts(5, [10]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(it)
+    it.close()
+    assert held and llm.is_finished()
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 8)
 
 
 def test_tensor_parallel_equals_the_plain_loop(qwen3_tied):

@@ -1,9 +1,11 @@
 """data_parallel_size: N engine replicas in spawned processes behind one LLM. On CPU each replica gets its share of
 the cores, so CI runs the same code path as a GPU host."""
+import gc
 import multiprocessing
 import os
 import random
 import signal
+import weakref
 
 import pytest
 import torch
@@ -151,6 +153,12 @@ def test_exit_leaves_no_process(chat_model):
     assert all(p.exitcode == 0 for p in processes)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
+    # dropped without exit() (a notebook's `del llm`, a new `llm = LLM(...)`): the replicas stop then, not at exit
+    llm = LLM(chat_model, data_parallel_size=2, **OPTIONS)
+    processes, alive = list(llm.processes), weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert alive() is None and all(p.exitcode == 0 for p in processes)
 
 
 def test_replicas_leave_nothing_for_the_resource_tracker(chat_model):

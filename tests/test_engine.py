@@ -260,8 +260,9 @@ def test_collective_rpc_on_one_rank(qwen3_tied):
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
     [info] = llm.collective_rpc("describe")
     hf_params = sum(p.numel() for p in hf_model(qwen3_tied).parameters())
-    assert info == {"rank": 0, "device": "cpu", "num_kvcache_blocks": 20, "num_parameters": hf_params,
-                    "cuda_graphs": False}
+    cuda = llm.config.device == "cuda"  # (this suite runs on a GPU too: gpu_suite.sh engine_cuda)
+    assert info == {"rank": 0, "device": "cuda:0" if cuda else "cpu", "num_kvcache_blocks": 20,
+                    "num_parameters": hf_params, "cuda_graphs": cuda}
     for bad in ("_prepare_decode", "no_such_method", 3):
         with pytest.raises(ValueError, match="not a public ModelRunner method; valid:.*describe"):
             llm.collective_rpc(bad)
@@ -328,3 +329,34 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_before_the_weights_load(qwe
     with pytest.raises(Exception):  # noqa: B017 (whatever transformers raises for it)
         LLM(str(tmp_path))
     assert shutdowns == [1]
+
+
+def test_an_llm_dropped_without_exit_is_shut_down_and_freed(qwen3_tied, monkeypatch):
+    # `del llm` (or a second `llm = LLM(...)` in a notebook) frees the engine at once: on a GPU its weights and KV
+    # cache take most of the memory the next engine sizes its cache from. (An atexit hook holding the engine kept
+    # it alive until the interpreter left: the CPU suite's engine tests run on a GPU failed from the second one.)
+    import gc
+    import weakref
+
+    from nanovllm.engine import executor
+    shutdowns = []  # the tags of the executors shut down (an earlier test's engine may be collected meanwhile)
+    real_shutdown = executor.UniprocExecutor.shutdown
+    monkeypatch.setattr(executor.UniprocExecutor, "shutdown",
+                        lambda self: (shutdowns.append(getattr(self, "tag", None)), real_shutdown(self)))
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.executor.tag = "first"
+    alive, runner = weakref.ref(llm), weakref.ref(llm.executor.runner)
+    gc.disable()  # by reference counts alone: no cycle holds it
+    try:
+        del llm
+        assert alive() is None and runner() is None and shutdowns.count("first") == 1
+    finally:
+        gc.enable()
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
+    llm.executor.tag = "second"
+    llm.exit()
+    llm.exit()
+    del llm
+    gc.collect()
+    assert shutdowns.count("second") == 1  # exit() shuts down once, and the finalizer has nothing left to do

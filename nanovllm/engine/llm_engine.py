@@ -1,7 +1,7 @@
-import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from time import perf_counter
@@ -86,6 +86,10 @@ class _Background:
         return self._value
 
 
+def _shut_down(executor):
+    executor.shutdown()
+
+
 class LLMEngine:
     """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
@@ -129,16 +133,17 @@ class LLMEngine:
         self._weights_discarded = False  # sleep(level=2) until update_weights
         self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
         self._grammar_threads = grammar_threads(config.device)  # that advance the matchers
-        atexit.register(self.exit)
+        # shuts the executor down at interpreter exit, or when the engine is garbage-collected without exit(): it
+        # holds the executor, never the engine, so `del llm` frees the GPU memory for the next LLM (a bound
+        # method registered with atexit would keep the engine, its weights and its KV cache, alive until exit)
+        self._finalizer = weakref.finalize(self, _shut_down, self.executor)
 
     def exit(self):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.exit)
         on_cuda = self.config.device == "cuda"
-        if self.executor is not None:
-            self.executor.shutdown()
+        self._finalizer()  # (once: later calls do nothing)
         self.executor = None
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import gc
@@ -494,8 +499,12 @@ class LLMEngine:
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
         requests = self._make_requests(prompts, sampling_params, stream=False)
-        for _ in self._run(requests, use_tqdm):
-            pass
+        run = self._run(requests, use_tqdm)
+        try:
+            for _ in run:
+                pass
+        finally:
+            run.close()
         return [self._output(samples) for samples in requests]
 
     def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -511,15 +520,20 @@ class LLMEngine:
     def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
         index = {seq.seq_id: i for i, samples in enumerate(requests) for seq in samples}
         emitted = dict.fromkeys(index, 0)  # characters of text already yielded
-        for updated in self._run(requests, use_tqdm):
-            for seq in updated:
-                text, stops = self._text(seq), seq.sampling_params.stop_strings
-                # hold back what could still turn out to be the start of a stop string
-                end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
-                start = emitted[seq.seq_id]
-                emitted[seq.seq_id] = max(start, end)
-                item = {"index": index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],
-                        "token_ids": [seq.new_token], "finished": seq.is_finished, "finish_reason": seq.finish_reason}
-                if seq.sampling_params.logprobs is not None:
-                    item["logprobs"] = seq.logprobs[-1:]
-                yield item
+        run = self._run(requests, use_tqdm)
+        try:
+            for updated in run:
+                for seq in updated:
+                    text, stops = self._text(seq), seq.sampling_params.stop_strings
+                    # hold back what could still turn out to be the start of a stop string
+                    end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
+                    start = emitted[seq.seq_id]
+                    emitted[seq.seq_id] = max(start, end)
+                    item = {"index": index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],
+                            "token_ids": [seq.new_token], "finished": seq.is_finished,
+                            "finish_reason": seq.finish_reason}
+                    if seq.sampling_params.logprobs is not None:
+                        item["logprobs"] = seq.logprobs[-1:]
+                    yield item
+        finally:  # a stream closed early aborts its requests now, not whenever the inner generator is collected
+            run.close()
