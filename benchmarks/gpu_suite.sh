@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|engine_cuda2|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -31,9 +31,14 @@ if has tests; then
     --deselect tests/test_moe.py  # (the moe step runs those)
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
-  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there
-  step engine_cuda 480 python3 -m pytest -q -m "not gpu" tests/test_engine.py tests/test_async_scheduling.py \
-    tests/test_rl_eval.py tests/test_sampling.py tests/test_fp8_kv.py tests/test_models.py tests/test_errors.py
+  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. About 15-20 s a test
+  # on an H200 (each starts CUDA engines): engine_cuda and engine_cuda2 each want a call of their own
+  step engine_cuda 560 python3 -m pytest -q -m "not gpu" tests/test_engine.py tests/test_async_scheduling.py \
+    tests/test_fp8_kv.py
+fi
+if has engine_cuda2; then
+  step engine_cuda2 560 python3 -m pytest -q -m "not gpu" tests/test_rl_eval.py tests/test_sampling.py \
+    tests/test_models.py tests/test_errors.py
 fi
 if has race; then  # the sampler's race kernel on the GPU (its own noise draws included), the folded gemv kernels
   step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu or gemv"
