@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|engine_cuda2|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -32,12 +32,10 @@ if has tests; then
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
   # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. About 15-20 s a test
-  # on an H200 (each starts CUDA engines): engine_cuda and engine_cuda2 each want a call of their own
-  step engine_cuda 560 python3 -m pytest -q -m "not gpu" tests/test_engine.py tests/test_async_scheduling.py \
-    tests/test_fp8_kv.py
-fi
-if has engine_cuda2; then
-  step engine_cuda2 560 python3 -m pytest -q -m "not gpu" tests/test_rl_eval.py tests/test_sampling.py \
+  # on an H200 where a test starts CUDA engines (measured on test_engine.py's first 13), so the 176 tests take
+  # several calls: ENGINE_SHARD=k/N (default 1/6) runs every N-th test from the k-th (in collection order)
+  step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/6}" tests/test_engine.py \
+    tests/test_async_scheduling.py tests/test_fp8_kv.py tests/test_rl_eval.py tests/test_sampling.py \
     tests/test_models.py tests/test_errors.py
 fi
 if has race; then  # the sampler's race kernel on the GPU (its own noise draws included), the folded gemv kernels

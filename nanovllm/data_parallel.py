@@ -6,6 +6,7 @@ so the prefix cache still serves them) and balanced by tokens (prompt + n * max_
 order, as one engine would return them. Each replica talks to this process over a pipe: it validates its share
 first and says so, so a bad request raises here before any replica generates, and the replicas stay usable.
 """
+import atexit
 import logging
 import os
 import time
@@ -155,9 +156,11 @@ class DataParallelLLM(ChatMixin):
         threads = max(1, (os.cpu_count() or 1) // n)
         ctx = get_context("spawn")
         self.processes, self.conns = [], []
-        # stops the replicas at interpreter exit, or when this object is garbage-collected without exit() (it
-        # holds the lists, not self: `del llm` frees the GPUs)
+        # stops the replicas when this object is garbage-collected without exit() (it holds the lists, not self:
+        # `del llm` frees the GPUs), and at interpreter exit before multiprocessing's own hook joins them (atexit
+        # runs last-registered first; weakref.finalize's exit hook may have been registered before that one)
         self._finalizer = weakref.finalize(self, _stop_replicas, self.conns, self.processes)
+        atexit.register(self._finalizer)
         try:
             for rank in range(n):
                 parent_end, child_end = ctx.Pipe()
@@ -296,6 +299,7 @@ class DataParallelLLM(ChatMixin):
             return
         self._closed = True
         self._finalizer()
+        atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "DataParallelLLM":
         return self

@@ -153,7 +153,7 @@ def test_exit_leaves_no_process(chat_model):
     assert all(p.exitcode == 0 for p in processes)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
-    # dropped without exit() (a notebook's `del llm`, a new `llm = LLM(...)`): the replicas stop then, not at exit
+    # dropped without exit() (`del llm`): the replicas stop then, not at exit
     llm = LLM(chat_model, data_parallel_size=2, **OPTIONS)
     processes, alive = list(llm.processes), weakref.ref(llm)
     del llm
@@ -173,6 +173,17 @@ def test_replicas_leave_nothing_for_the_resource_tracker(chat_model):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "leaked" not in done.stderr, done.stderr
+    # a script that leaves without exit(), having made a weakref.finalize before multiprocessing was imported (a
+    # TemporaryDirectory does): the replicas are stopped before multiprocessing's exit hook joins them (that
+    # order hung until killed when only weakref.finalize's own exit hook stopped them)
+    script = ("import tempfile\n"
+              "keep = tempfile.TemporaryDirectory()\n"
+              "from nanovllm import LLM\n"
+              "if __name__ == '__main__':\n"
+              f"    llm = LLM({chat_model!r}, data_parallel_size=2, **{OPTIONS!r})\n"
+              "    llm.generate([[1, 2, 3]] * 2, use_tqdm=False)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("option", ["data_parallel_size", "tensor_parallel_size"])

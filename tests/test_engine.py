@@ -332,8 +332,8 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_before_the_weights_load(qwe
 
 
 def test_an_llm_dropped_without_exit_is_shut_down_and_freed(qwen3_tied, monkeypatch):
-    # `del llm` (or a second `llm = LLM(...)` in a notebook) frees the engine at once: on a GPU its weights and KV
-    # cache take most of the memory the next engine sizes its cache from. (An atexit hook holding the engine kept
+    # `del llm` frees the engine at once: on a GPU its weights and KV cache take most of the memory the next engine
+    # sizes its cache from. (An atexit hook holding the engine kept
     # it alive until the interpreter left: the CPU suite's engine tests run on a GPU failed from the second one.)
     import gc
     import weakref

@@ -473,8 +473,7 @@ def test_race_kernel_draws(dtype):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
 def test_rope_kernel(heads, kv_heads, head_dim, norm, dtype):
     check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm)
-    if norm:
-        check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm, heads_per_program=2)
+    check_qk_norm_rope(7, heads, kv_heads, head_dim, dtype, norm, heads_per_program=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -34,14 +34,12 @@ def count_blocks(runner) -> int:
 
 
 def _blocks_in_free_gpu_memory(runner) -> int:
-    """total × gpu_memory_utilization − used − (peak − current), in blocks, after the max-size warm-up. Used is
-    what the device reports in use less what this process's allocator holds free in its cache (the warm-up's
-    activations, an earlier engine's weights and cache after `del llm`): that memory is ours to reuse."""
+    """total × gpu_memory_utilization − used − (peak − current), in blocks, after the max-size warm-up."""
     cfg = runner.config
     free, total = torch.cuda.mem_get_info()
+    used = total - free
     stats = torch.cuda.memory_stats()
     peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-    used = total - free - (stats["reserved_bytes.all.current"] - current)
     available = int(total * cfg.gpu_memory_utilization - used - (peak - current))
     blocks = available // block_bytes(runner)
     if blocks <= 0:

@@ -1,3 +1,4 @@
+import atexit
 import logging
 import os
 import threading
@@ -133,10 +134,13 @@ class LLMEngine:
         self._weights_discarded = False  # sleep(level=2) until update_weights
         self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
         self._grammar_threads = grammar_threads(config.device)  # that advance the matchers
-        # shuts the executor down at interpreter exit, or when the engine is garbage-collected without exit(): it
-        # holds the executor, never the engine, so `del llm` frees the GPU memory for the next LLM (a bound
-        # method registered with atexit would keep the engine, its weights and its KV cache, alive until exit)
+        # shuts the executor down when the engine is garbage-collected without exit(): it holds the executor, never
+        # the engine, so `del llm` frees the GPU memory for the next LLM (a bound method registered with atexit
+        # kept the engine, its weights and its KV cache, alive until exit). Also registered with atexit itself:
+        # weakref.finalize's own exit hook may run after multiprocessing's, which would first join (or terminate)
+        # the worker processes that this shutdown stops politely
         self._finalizer = weakref.finalize(self, _shut_down, self.executor)
+        atexit.register(self._finalizer)
 
     def exit(self):
         if self._closed:
@@ -144,6 +148,7 @@ class LLMEngine:
         self._closed = True
         on_cuda = self.config.device == "cuda"
         self._finalizer()  # (once: later calls do nothing)
+        atexit.unregister(self._finalizer)
         self.executor = None
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import gc

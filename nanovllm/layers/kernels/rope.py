@@ -127,6 +127,9 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     num_k_heads = k.size(1)
     if heads_per_program is None:
         heads_per_program = heads_per_token(tokens)
+    if heads_per_program < 0 or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"qk_norm_rope_: heads_per_program must be 0 (all of a token's) or a power of two, got "
+                         f"{heads_per_program}")
     if heads_per_program:
         block_hq = block_hk = heads_per_program
         chunks = triton.cdiv(num_q_heads, block_hq) + triton.cdiv(num_k_heads, block_hk)
