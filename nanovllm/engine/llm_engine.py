@@ -87,10 +87,6 @@ class _Background:
         return self._value
 
 
-def _shut_down(executor):
-    executor.shutdown()
-
-
 class LLMEngine:
     """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
@@ -139,7 +135,7 @@ class LLMEngine:
         # kept the engine, its weights and its KV cache, alive until exit). Also registered with atexit itself:
         # weakref.finalize's own exit hook may run after multiprocessing's, which would first join (or terminate)
         # the worker processes that this shutdown stops politely
-        self._finalizer = weakref.finalize(self, _shut_down, self.executor)
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
         atexit.register(self._finalizer)
 
     def exit(self):

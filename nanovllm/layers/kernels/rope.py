@@ -87,11 +87,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                               + offs_h[:, None] * stride_vh_c + offs_d[None, :] * stride_vd, stride_vd, scale_dst,
                               mask_h, QUANT, FP8_MAX, HALF)
 
+
 SPLIT_HEADS_UP_TO = 16  # tokens (decode batch sizes) whose heads are spread over programs, HEADS_PER_PROGRAM each
 HEADS_PER_PROGRAM = 2
 
 
-def heads_per_token(tokens: int) -> int:
+def heads_per_program_for(tokens: int) -> int:
     """Heads per program (0: all of a token's, one program per token). A few tokens give a few programs, one per
     token on as many SMs: two heads per program took the kernel from 2.6 to 2.2 us at batch 1 on an H200 and from
     2.9 to 2.7 at batch 16 (benchmarks/profile_step.py, docs/benchmarks.md); at batch 64 it did not help."""
@@ -110,7 +111,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     V any layout) at its slot, fp8 with its scales, as store_kvcache does: one kernel fewer per layer. (One
     program per token stores a token-major V byte by byte: decode steps only, where store_kvcache does the same.)
     heads_per_program (a power of two): each program rotates that many q or k heads of one token (and stores
-    those K/V heads), else one program per token does them all (heads_per_token's choice)."""
+    those K/V heads), else one program per token does them all (heads_per_program_for's choice)."""
     tokens, num_q_heads, head_dim = q.shape
     if tokens == 0:
         return q, k
@@ -126,7 +127,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     k_scale, v_scale = scales if quant else (k, k)
     num_k_heads = k.size(1)
     if heads_per_program is None:
-        heads_per_program = heads_per_token(tokens)
+        heads_per_program = heads_per_program_for(tokens)
     if heads_per_program < 0 or heads_per_program & (heads_per_program - 1):
         raise ValueError(f"qk_norm_rope_: heads_per_program must be 0 (all of a token's) or a power of two, got "
                          f"{heads_per_program}")
