@@ -187,6 +187,27 @@ def test_garbage_in_unused_cache_slots_is_ignored(qwen3_tied):
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
 
+def test_compile_buckets_hold_every_kind_of_bucket():
+    # the start-up's first compile pass (cuda_graph.compile_buckets) meets every kind of bucket: each side of 1 and
+    # 16 rows, each Triton integer class (1, a multiple of 16, other), every MoE row tile
+    import math
+
+    from nanovllm.engine.cuda_graph import compile_buckets, decode_buckets
+    from nanovllm.layers.kernels.fused_moe import moe_tiles
+
+    def kind(bs: int):
+        return bs == 1, bs <= 16, bs == 1 or bs % 16 == 0
+    for max_num_seqs in (1, 3, 8, 16, 17, 37, 100, 256, 512, 1000):
+        buckets = decode_buckets(max_num_seqs)
+        chosen = compile_buckets(buckets)
+        assert set(chosen) <= set(buckets) and chosen[-1] == buckets[-1]
+        assert len(chosen) <= 6 + math.ceil(math.log2(max_num_seqs)), chosen
+        assert {kind(b) for b in buckets} == {kind(b) for b in chosen}
+        for experts, top_k in ((8, 2), (60, 4), (64, 6), (128, 8)):
+            tiles = {b: moe_tiles(b * top_k, experts, torch.bfloat16) for b in buckets}
+            assert set(tiles.values()) == {tiles[b] for b in chosen}
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_tied, block_size):
     """The CUDA start-up's second warm-up (every query tile size, with and without cached history) is
@@ -196,7 +217,8 @@ def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_t
     runner, seen = llm.executor.runner, set()
     prefill = runner.backend.prefill
     runner.backend.prefill = lambda *a: (seen.add((a[5].max_seqlen_q, a[5].block_tables is not None)), prefill(*a))[1]
-    warmup.warmup_prefill_variants(runner)
+    for seqs in warmup.prefill_variants(runner):
+        warmup.prefill(runner, seqs)
     runner.backend.prefill = prefill
     assert seen == {(n, paged) for n in warmup.PREFILL_QUERY_LENS for paged in (False, True)}
     # ... and those query lengths reach every tile the Triton prefill kernel can pick

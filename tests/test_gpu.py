@@ -97,6 +97,40 @@ def test_every_batch_size_finds_a_graph(qwen3_tied):
     llm.exit()
 
 
+COMPILE_PROBE = """
+import json, sys, threading
+from triton import knobs
+events = []
+knobs.compilation.listener = lambda **kw: events.append(
+    (kw["src"].fn.__name__ if hasattr(kw["src"], "fn") else "?", threading.current_thread().name, kw["cache_hit"]))
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=40, max_model_len=512, num_kvcache_blocks=64)
+start = list(events)
+del events[:]
+for n, length in ((1, 5), (3, 40), (16, 9), (40, 200)):
+    llm.generate([[7] * length] * n, SamplingParams(temperature=0.6, max_tokens=6, ignore_eos=True), use_tqdm=False)
+llm.exit()
+print(json.dumps({"start": start, "run": events}))
+"""
+
+
+def test_start_up_compiles_ahead_and_no_step_compiles(qwen3_tied, tmp_path):
+    # A fresh Triton cache: the model's kernels compile on compile_ahead's threads (engine/warmup.py), the
+    # sampler's in the warm-up itself, and no step of a run compiles or loads one (every batch size's variant is
+    # there already: prefill with and without history, each decode bucket, the LM head's small-batch kernels).
+    import json
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    out = subprocess.run([sys.executable, "-c", COMPILE_PROBE, qwen3_tied], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = json.loads(out.stdout.strip().splitlines()[-1])
+    assert events["run"] == [], events["run"]
+    ahead = [name for name, thread, _ in events["start"] if thread.startswith("triton-compile")]
+    serial = {name for name, thread, _ in events["start"] if not thread.startswith("triton-compile")}
+    assert len(ahead) >= 10, events["start"]
+    assert serial <= {"_race_kernel", "_race_pick_kernel"}, events["start"]
+
+
 def test_bench_runs_on_the_dummy_qwen3_0_6b():
     args = ["--num-seqs", "16", "--min-input", "16", "--max-input", "256", "--min-output", "8", "--max-output", "64",
             "--no-tqdm"]

@@ -73,6 +73,71 @@ def test_compile_tally_counts_a_compile(monkeypatch):
     assert raised.value.__context__ is None  # not chained to the missing listener
 
 
+def test_compile_ahead_compiles_on_threads_and_launches_nothing(monkeypatch, tmp_path):
+    # the start-up's parallel compiles (engine/warmup.py's compile_ahead), on CPU: a stand-in for the CUDA driver
+    # gives Triton an sm_90 target, so launches inside compile for Hopper (a real launch would fail here)
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("this Triton has no AsyncCompileMode (before 3.4)")
+    import threading
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from nanovllm.engine.warmup import compile_ahead, counting_compiles
+    from nanovllm.layers.kernels import activation
+
+    class NoGpu:  # what JITFunction.run asks of the driver before it compiles
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", NoGpu())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not found on disk
+    kernel = activation._silu_and_mul_kernel
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    threads = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: threads.append(
+        threading.current_thread().name))
+    reached = []  # the launches that reach Triton (compile_ahead wraps what it finds: this)
+    run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        reached.append(kwargs["warmup"])
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(JITFunction, "run", counted)
+    launch = JITFunction.run
+    outs = []
+
+    def forward():
+        for inter, block in ((64, 64), (256, 256), (256, 256)):  # two variants, the second asked for twice
+            x = torch.ones(2, 2 * inter, dtype=torch.float16)
+            outs.append(torch.full((2, inter), 7.0, dtype=torch.float16))
+            kernel[(2, 1)](x, outs[-1], x.stride(0), inter, inter, BLOCK=block, PDL=False, num_warps=4)
+    with counting_compiles() as tally:
+        compile_ahead(forward)
+    assert JITFunction.run is launch
+    assert all((out == 7.0).all() for out in outs)  # nothing ran
+    assert tally.compiled == 2 and len(threads) == 2, (tally, threads)
+    assert reached == [True, True], reached  # as warm-ups; the repeated launch skipped (nothing new in it)
+    assert all(name.startswith("triton-compile") for name in threads), threads
+    compiled = list(kernel.device_caches[0][0].values())  # the JIT's own cache holds the finished kernels
+    assert len(compiled) == 2 and all(type(k).__name__ == "CompiledKernel" for k in compiled), compiled
+
+    def broken():  # a compile error comes out of compile_ahead, and launches are launches again
+        x = torch.ones(2, 128, dtype=torch.float16)
+        kernel[(2, 1)](x, x, x.stride(0), 64, 64, BLOCK=96, PDL=False, num_warps=4)  # not a power of two
+    with pytest.raises(Exception, match="power of 2|power of two"):
+        compile_ahead(broken)
+    assert JITFunction.run is launch
+
+
 def test_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     from nanovllm.layers.kernels import decode, prefill, store_kvcache

@@ -22,14 +22,26 @@ def bucket_for(buckets: list[int], batch_size: int) -> int:
     return buckets[i]
 
 
+def compile_buckets(buckets: list[int]) -> list[int]:
+    """The buckets whose kernel variants are likely to differ from the rest's (the start-up compiles theirs ahead
+    first): the kernels pick tiles and paths at one row and up to 16 rows, Triton specializes integer arguments
+    on 1 and on multiples of 16, and the MoE tiles change where twice the mean rows per expert passes a power of
+    two (every range (a, 2a] holds one). So: every bucket up to 16, every power of two, every bucket that is not
+    a multiple of 16, and the largest."""
+    return [b for b in buckets if b <= 16 or b & (b - 1) == 0 or b % 16 or b == buckets[-1]]
+
+
 class DecodeGraphs:
     """Static input buffers plus one graph per bucket. The attention metadata buffers are the backend's
-    (`graph_buffers`), so graphs work for any backend that supports them."""
+    (`graph_buffers`), so graphs work for any backend that supports them. Built in two steps: the buffers here,
+    the graphs in capture() (in between, the start-up compiles the buckets' kernels ahead: forward)."""
 
     def __init__(self, runner):
-        cfg, model, device, backend = runner.config, runner.model, runner.device, runner.backend
-        self.backend = backend
+        cfg, device, backend = runner.config, runner.device, runner.backend
+        self.model, self.backend = runner.model, backend
         self.buckets = decode_buckets(cfg.max_num_seqs)
+        self.compile_first = compile_buckets(self.buckets)  # the start-up's compile passes, first and second
+        self.compile_later = [b for b in self.buckets if b not in self.compile_first]
         max_bs = self.buckets[-1]
         max_blocks = (cfg.max_model_len + runner.block_size - 1) // runner.block_size
         hidden = cfg.hf_config.hidden_size
@@ -38,18 +50,31 @@ class DecodeGraphs:
         self.metadata = backend.graph_buffers(max_bs, max_blocks, device)
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        pool = None
+
+    @torch.inference_mode()
+    def forward(self, buckets: list[int]):
+        """These buckets' forward passes and logits, eagerly (for warmup.compile_ahead; the LM head's small-batch
+        kernels run outside the graphs, after each replay)."""
         try:
-            with torch.inference_mode():
-                for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
-                    set_context(backend.graph_view(self.metadata, bs))
-                    self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # compile/JIT before capture
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool):
-                        self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
-                    pool = pool or graph.pool()
-                    self.graphs[bs] = graph
-                    torch.cuda.synchronize()
+            for bs in buckets:
+                set_context(self.backend.graph_view(self.metadata, bs))
+                self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs]))
+        finally:
+            reset_context()
+
+    @torch.inference_mode()
+    def capture(self):
+        model, pool = self.model, None
+        try:
+            for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
+                set_context(self.backend.graph_view(self.metadata, bs))
+                self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # any JIT before capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+                pool = pool or graph.pool()
+                self.graphs[bs] = graph
+                torch.cuda.synchronize()
         except BaseException:
             self.release()  # graphs captured so far would keep a TP group's NCCL communicator from closing
             raise

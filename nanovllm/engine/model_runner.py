@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
-from nanovllm.engine import kv_cache
+from nanovllm.engine import kv_cache, warmup
 from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.warmup import CompileTally, counting_compiles, warmup_prefill_variants
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
@@ -48,8 +47,8 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
         # the Triton kernels behind the warm-ups (CompileTally; CUDA only: a CPU start imports no Triton)
-        self.compiles: CompileTally | None = None
-        with counting_compiles() if self.is_cuda else nullcontext() as self.compiles:
+        self.compiles: warmup.CompileTally | None = None
+        with warmup.counting_compiles() if self.is_cuda else nullcontext() as self.compiles:
             self._start()
         if rank == 0:
             logger.info("start-up: %s%s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup.items()),
@@ -63,6 +62,7 @@ class ModelRunner:
         self.share_tokens = group is not None and bool(config.async_scheduling)
         self.last_step: PendingStep | None = None  # a worker's copy of the last step's tokens (share_tokens)
         if self.is_cuda:
+            warmup.start_hashing_triton()  # (for the warm-ups' first compiles)
             with self._phase("CUDA init"):
                 torch.cuda.set_device(self.device)
                 torch.empty(1, device=self.device)  # creates the context
@@ -106,21 +106,38 @@ class ModelRunner:
         return model.eval()
 
     def _capture_graphs(self, warm_up: bool = True):
-        """Decode CUDA graphs, after a warm-up of every prefill kernel variant (they JIT here, not mid-run)."""
+        """Decode CUDA graphs, after a warm-up of every prefill kernel variant (they JIT here, not mid-run), the
+        Triton kernels of both compiled ahead, in parallel (warmup.compile_ahead). Every bucket's forward runs
+        there, those of cuda_graph.compile_buckets in the first pass: in Triton 3.6 a launch whose kernel is still
+        compiling costs about 0.5 ms of host time, so the other buckets come after, in a second pass that finds
+        their kernels compiled (and compiles any it does not, in parallel too)."""
         if not self.is_cuda:
             return None
-        if warm_up:
-            with self._phase("prefill kernel warm-up"):
-                warmup_prefill_variants(self)
-        if self.config.enforce_eager:
-            return None
-        if not self.backend.supports_cuda_graphs:
+        graphs = None
+        if not self.config.enforce_eager and not self.backend.supports_cuda_graphs:
             if self.rank == 0:
                 logger.warning("CUDA graphs are off (attention backend %s): decode runs eagerly", self.backend.name)
-            return None
-        from nanovllm.engine.cuda_graph import DecodeGraphs
-        with self._phase("graph capture"):
-            return DecodeGraphs(self)
+        elif not self.config.enforce_eager:
+            from nanovllm.engine.cuda_graph import DecodeGraphs
+            graphs = DecodeGraphs(self)  # the static buffers; no graph yet
+        if warm_up:
+            prefills = warmup.prefill_variants(self)
+
+            def forward_passes():
+                for seqs in prefills:
+                    warmup.forward(self, seqs)
+                if graphs is not None:
+                    graphs.forward(graphs.compile_first)
+            with self._phase("kernel warm-up"):
+                warmup.compile_ahead(forward_passes)
+                if graphs is not None:
+                    warmup.compile_ahead(lambda: graphs.forward(graphs.compile_later))
+                for seqs in prefills:
+                    warmup.prefill(self, seqs)
+        if graphs is not None:
+            with self._phase("graph capture"):
+                graphs.capture()
+        return graphs
 
     def release_graphs(self):
         """Destroy the decode graphs. With TP this must come before the NCCL group is torn down: NCCL keeps a

@@ -1,6 +1,11 @@
 """Warm-ups on CUDA: one max-size step before the KV cache is sized (its activation peak is what the cache must
-leave free), and one small prefill per Triton kernel variant, so no JIT lands in the first real steps; and a tally
-of the Triton compiles behind them, for the start-up log."""
+leave free), and one small prefill per Triton kernel variant, so no JIT lands in the first real steps; each first
+run once with its Triton kernels compiled in parallel (compile_ahead); and a tally of the Triton compiles behind
+them, for the start-up log."""
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -9,19 +14,23 @@ import torch
 from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.utils.context import reset_context
+
+COMPILE_THREADS = 16  # at most this many Triton compiles at once (each is one CPU thread, mostly outside the GIL)
 
 
 @dataclass
 class CompileTally:
     compiled: int = 0  # kernels compiled (not found in Triton's on-disk cache)
-    seconds: float = 0.0  # their compile time, as Triton measures it
+    seconds: float = 0.0  # their compile times added up, as Triton measures them (several run at once)
     cached: int = 0  # kernels loaded from the on-disk cache
     counted: bool = True  # False: this Triton has no compilation listener (before 3.4)
 
     def __str__(self):
         if not self.counted:
             return "Triton compiles not counted (no compilation listener in this Triton)"
-        return f"Triton {self.compiled} kernels compiled in {self.seconds:.1f}s, {self.cached} from cache"
+        return (f"Triton {self.compiled} kernels compiled ({self.seconds:.1f}s of compile time), {self.cached} "
+                f"from cache")
 
 
 @contextmanager
@@ -30,6 +39,7 @@ def counting_compiles():
     listener). A listener set before is called too, and put back after unless another replaced ours meanwhile. The
     tally never fails a compile: an event it cannot read is left uncounted."""
     tally = CompileTally()
+    lock = threading.Lock()  # compiles report from compiling_ahead's threads
     try:
         from triton import knobs
         before = knobs.compilation.listener
@@ -42,11 +52,12 @@ def counting_compiles():
 
     def listen(**kw):
         try:
-            if kw["cache_hit"]:
-                tally.cached += 1
-            else:
-                tally.compiled += 1
-                tally.seconds += kw["times"].total / 1e6  # microseconds
+            with lock:
+                if kw["cache_hit"]:
+                    tally.cached += 1
+                else:
+                    tally.compiled += 1
+                    tally.seconds += kw["times"].total / 1e6  # microseconds
         except Exception:
             pass
         if before is not None:
@@ -59,32 +70,136 @@ def counting_compiles():
             knobs.compilation.listener = before
 
 
-def _prefill(runner, seqs: list[Sequence]):
+_hashing_triton: threading.Thread | None = None
+
+
+def start_hashing_triton():
+    """Triton keys its compile cache by a hash of its own sources and its 0.5 GB library, which the first compile of
+    a process reads (before that compile can start; about a second on a fresh machine). Started in the background
+    as the engine loads its model; compile_ahead waits for it."""
+    global _hashing_triton
+    if _hashing_triton is not None:
+        return
+
+    def hash_triton():
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:
+            try:
+                from triton.compiler.compiler import triton_key
+            except ImportError:
+                return
+        try:
+            triton_key()  # (cached for the process)
+        except Exception:
+            pass  # (the compile that needs it raises it again, where it is seen)
+    _hashing_triton = threading.Thread(target=hash_triton, name="triton-key", daemon=True)
+    _hashing_triton.start()
+
+
+def _launch_key(fn, args: tuple, kwargs: dict):
+    """A launch's arguments as far as they can change what Triton compiles, told apart more finely than Triton's
+    own key (tensors by dtype and address modulo 16, anything else by value), so that a launch seen before in a
+    compile pass has nothing new to compile. Skipping it matters in Triton 3.6, where a launch whose kernel is
+    still compiling costs about 0.5 ms of host time. None when some argument has no hashable value."""
+    def part(a):
+        return ("tensor", a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else (type(a), a)
+    try:
+        key = (fn, tuple(part(a) for a in args),
+               tuple(sorted((k, part(v)) for k, v in kwargs.items() if k not in ("grid", "warmup"))))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def compile_ahead(fn: Callable[[], object]):
+    """Runs fn with every Triton kernel launch in it turned into a compile of that kernel, in a thread pool
+    (Triton's AsyncCompileMode), and waits for the compiles (raising a compile's error). No kernel runs. The
+    warm-ups run their forward passes so, then for real: a fresh machine compiled 25-29 kernels one after another,
+    11 s of a 17.8 s start (docs/benchmarks.md). What is not a Triton kernel runs as usual, on garbage where a
+    skipped kernel's output feeds it, so fn must index nothing by a kernel's output (the model's forward and logits
+    do not). Does nothing (fn does not run) with a Triton older than 3.4, which has no AsyncCompileMode, or inside
+    the caller's own AsyncCompileMode: kernels then compile at their first launch, one at a time."""
+    try:
+        import triton
+        from triton.runtime import _async_compile
+        from triton.runtime.jit import JITFunction
+        mode = triton.AsyncCompileMode
+    except (ImportError, AttributeError):
+        return
+    if _async_compile.active_mode.get() is not None:
+        return
+    if _hashing_triton is not None:
+        _hashing_triton.join()
+    launch = JITFunction.run
+    seen = set()
+
+    def compile_only(self, *args, **kwargs):
+        key = _launch_key(self, args, kwargs)
+        if key in seen:  # (the next layers' launches: nothing new to compile)
+            return None
+        if key is not None:
+            seen.add(key)
+        kwargs["warmup"] = True  # Triton's warm-up: specialize and compile (here: submit the compile), no launch
+        return launch(self, *args, **kwargs)
+    threads = max(1, min(COMPILE_THREADS, len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
+        JITFunction.run = compile_only
+        try:
+            fn()
+        finally:
+            JITFunction.run = launch
+
+
+def prefill(runner, seqs: list[Sequence]):
     runner.run(ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs]))
 
 
+def forward(runner, seqs: list[Sequence]):
+    """The model's forward pass and logits of a prefill step, unsampled (for compile_ahead)."""
+    try:
+        runner.run_model(runner.prepare(ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs])))
+    finally:
+        reset_context()
+
+
+def _sample(runner):
+    """Sampling for the largest decode batch and for one row (its race kernel compiles apart)."""
+    cfg = runner.config
+    logits = torch.zeros(cfg.max_num_seqs, cfg.hf_config.vocab_size, dtype=cfg.torch_dtype, device=runner.device)
+    temperatures = torch.ones(cfg.max_num_seqs, device=runner.device)
+    runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
+    runner.sampler(logits[:1], SamplingTensors(temperatures[:1]), runner.generator)
+
+
 def warmup(runner):
-    """One prefill as large as a step can be, and sampling for the largest decode batch.
+    """One prefill as large as a step can be, and sampling for the largest decode batch; on CUDA their Triton
+    kernels compiled ahead, in parallel.
 
     The KV cache is not allocated yet, so the measured peak holds only weights and activations. (CUDA runs it;
     the tests run it on CPU too, at the same point of the runner's start.)"""
     cfg = runner.config
-    if runner.is_cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
     num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
     seqs = [Sequence([0] * seq_len, runner.block_size) for _ in range(num_seqs)]
     for seq in seqs:
         seq.num_scheduled_tokens = seq_len
-    _prefill(runner, seqs)
-    if runner.rank == 0:
-        vocab = cfg.hf_config.vocab_size
-        logits = torch.zeros(cfg.max_num_seqs, vocab, dtype=cfg.torch_dtype, device=runner.device)
-        temperatures = torch.ones(cfg.max_num_seqs, device=runner.device)
-        runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
-        runner.sampler(logits[:1], SamplingTensors(temperatures[:1]), runner.generator)  # batch 1 compiles apart
-        del logits
+    sample = runner.rank == 0
+
+    def forward_passes():
+        forward(runner, seqs)
+        if sample:  # (nothing indexes by the race's tokens, which come out unused)
+            _sample(runner)
+    if runner.is_cuda:
+        rng = runner.generator.get_state()  # (the pass draws a seed: the engine's draws stay as they were)
+        compile_ahead(forward_passes)
+        runner.generator.set_state(rng)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    prefill(runner, seqs)
+    if sample:
+        _sample(runner)
     if runner.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -97,17 +212,17 @@ def warmup(runner):
 PREFILL_QUERY_LENS = (16, 128)
 
 
-def warmup_prefill_variants(runner):
+def prefill_variants(runner) -> list[list[Sequence]]:
     """Small prefills at every query tile size, without history and over cached history (blocks from 0 up,
     which hold nothing yet)."""
+    batches = []
     for q_len in PREFILL_QUERY_LENS:
         fresh = Sequence([0] * q_len, runner.block_size)  # owns no cache: nothing is written
         fresh.num_scheduled_tokens = q_len
-        _prefill(runner, [fresh])
+        batches.append([fresh])
         history = Sequence([0] * (16 + q_len), runner.block_size)
         if runner.num_kvcache_blocks >= history.num_blocks:
             history.block_table = list(range(history.num_blocks))
             history.num_cached_tokens, history.num_scheduled_tokens = 16, q_len
-            _prefill(runner, [history])
-    if runner.is_cuda:
-        torch.cuda.synchronize()
+            batches.append([history])
+    return batches
