@@ -78,7 +78,7 @@ def test_compile_ahead_compiles_on_threads_and_launches_nothing(monkeypatch, tmp
     # gives Triton an sm_90 target, so launches inside compile for Hopper (a real launch would fail here)
     triton = pytest.importorskip("triton")
     if not hasattr(triton, "AsyncCompileMode"):
-        pytest.skip("this Triton has no AsyncCompileMode (before 3.4)")
+        pytest.skip("this Triton has no AsyncCompileMode (before 3.5)")
     import threading
 
     from triton.backends.compiler import GPUTarget
@@ -136,6 +136,25 @@ def test_compile_ahead_compiles_on_threads_and_launches_nothing(monkeypatch, tmp
     with pytest.raises(Exception, match="power of 2|power of two"):
         compile_ahead(broken)
     assert JITFunction.run is launch
+    from triton.runtime import _async_compile
+    assert _async_compile.active_mode.get() is None  # (left on by Triton 3.5-3.6 after a failed compile)
+    other = []  # another thread's launch, during a pass, is a launch (here it fails: no GPU)
+
+    def from_another_thread():
+        t = threading.Thread(target=lambda: other.append(_try_launch(kernel)))
+        t.start()
+        t.join()
+    compile_ahead(from_another_thread)
+    assert other == ["launched"], other
+
+
+def _try_launch(kernel) -> str:
+    x = torch.ones(2, 128, dtype=torch.float16)
+    try:
+        kernel[(2, 1)](x, x, x.stride(0), 64, 64, BLOCK=64, PDL=False, num_warps=4)
+    except AttributeError:  # the stand-in driver has no launcher: a real launch was tried
+        return "launched"
+    return "compiled only"
 
 
 def test_kernels_compile_for_hopper():

@@ -71,6 +71,7 @@ def counting_compiles():
 
 
 _hashing_triton: threading.Thread | None = None
+_compiling_ahead = threading.Lock()  # (JITFunction.run is patched for the whole process)
 
 
 def start_hashing_triton():
@@ -119,8 +120,10 @@ def compile_ahead(fn: Callable[[], object]):
     warm-ups run their forward passes so, then for real: a fresh machine compiled 25-29 kernels one after another,
     11 s of a 17.8 s start (docs/benchmarks.md). What is not a Triton kernel runs as usual, on garbage where a
     skipped kernel's output feeds it, so fn must index nothing by a kernel's output (the model's forward and logits
-    do not). Does nothing (fn does not run) with a Triton older than 3.4, which has no AsyncCompileMode, or inside
-    the caller's own AsyncCompileMode: kernels then compile at their first launch, one at a time."""
+    do not). Only the calling thread's launches turn into compiles; one compile_ahead runs at a time in a process.
+    Does nothing (fn does not run) with a Triton older than 3.5, which has no AsyncCompileMode: kernels then compile
+    at their first launch, one at a time. Inside the caller's own AsyncCompileMode fn runs as a plain pass (so that
+    tensor-parallel ranks still run the same collectives)."""
     try:
         import triton
         from triton.runtime import _async_compile
@@ -129,27 +132,36 @@ def compile_ahead(fn: Callable[[], object]):
     except (ImportError, AttributeError):
         return
     if _async_compile.active_mode.get() is not None:
+        fn()
         return
     if _hashing_triton is not None:
         _hashing_triton.join()
-    launch = JITFunction.run
-    seen = set()
+    with _compiling_ahead:
+        launch, caller, seen = JITFunction.run, threading.get_ident(), set()
 
-    def compile_only(self, *args, **kwargs):
-        key = _launch_key(self, args, kwargs)
-        if key in seen:  # (the next layers' launches: nothing new to compile)
-            return None
-        if key is not None:
-            seen.add(key)
-        kwargs["warmup"] = True  # Triton's warm-up: specialize and compile (here: submit the compile), no launch
-        return launch(self, *args, **kwargs)
-    threads = max(1, min(COMPILE_THREADS, len(os.sched_getaffinity(0))))
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
-        JITFunction.run = compile_only
+        def compile_only(self, *args, **kwargs):
+            if threading.get_ident() != caller:  # another thread's launch runs as usual
+                return launch(self, *args, **kwargs)
+            key = _launch_key(self, args, kwargs)
+            if key in seen:  # (the next layers' launches: nothing new to compile)
+                return None
+            if key is not None:
+                seen.add(key)
+            kwargs["warmup"] = True  # Triton's warm-up: specialize and compile (here: submit the compile), no launch
+            return launch(self, *args, **kwargs)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        pool = ThreadPoolExecutor(max(1, min(COMPILE_THREADS, cpus)), thread_name_prefix="triton-compile")
+        compiling = mode(pool)
         try:
-            fn()
+            with pool, compiling:
+                JITFunction.run = compile_only
+                try:
+                    fn()
+                finally:
+                    JITFunction.run = launch
         finally:
-            JITFunction.run = launch
+            if _async_compile.active_mode.get() is compiling:  # (Triton 3.5-3.6 leave it on after a failed compile)
+                _async_compile.active_mode.set(None)
 
 
 def prefill(runner, seqs: list[Sequence]):
