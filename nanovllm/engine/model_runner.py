@@ -114,12 +114,12 @@ class ModelRunner:
         if not self.is_cuda:
             return None
         graphs = None
-        if not self.config.enforce_eager and not self.backend.supports_cuda_graphs:
-            if self.rank == 0:
+        if not self.config.enforce_eager:
+            if self.backend.supports_cuda_graphs:
+                from nanovllm.engine.cuda_graph import DecodeGraphs
+                graphs = DecodeGraphs(self)  # the static buffers; no graph yet
+            elif self.rank == 0:
                 logger.warning("CUDA graphs are off (attention backend %s): decode runs eagerly", self.backend.name)
-        elif not self.config.enforce_eager:
-            from nanovllm.engine.cuda_graph import DecodeGraphs
-            graphs = DecodeGraphs(self)  # the static buffers; no graph yet
         if warm_up:
             prefills = warmup.prefill_variants(self)
 

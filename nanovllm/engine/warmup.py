@@ -39,7 +39,7 @@ def counting_compiles():
     listener). A listener set before is called too, and put back after unless another replaced ours meanwhile. The
     tally never fails a compile: an event it cannot read is left uncounted."""
     tally = CompileTally()
-    lock = threading.Lock()  # compiles report from compiling_ahead's threads
+    lock = threading.Lock()  # compiles report from compile_ahead's threads
     try:
         from triton import knobs
         before = knobs.compilation.listener
@@ -164,14 +164,18 @@ def compile_ahead(fn: Callable[[], object]):
                 _async_compile.active_mode.set(None)
 
 
+def _prefill_batch(seqs: list[Sequence]) -> ScheduledBatch:
+    return ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs])
+
+
 def prefill(runner, seqs: list[Sequence]):
-    runner.run(ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs]))
+    runner.run(_prefill_batch(seqs))
 
 
 def forward(runner, seqs: list[Sequence]):
     """The model's forward pass and logits of a prefill step, unsampled (for compile_ahead)."""
     try:
-        runner.run_model(runner.prepare(ScheduledBatch(seqs, True, [seq.num_tokens for seq in seqs])))
+        runner.run_model(runner.prepare(_prefill_batch(seqs)))
     finally:
         reset_context()
 
