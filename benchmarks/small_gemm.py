@@ -56,6 +56,9 @@ def main():
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, m, err)
             choices = [("cublas", None), ("default", None)]
+            base = gemv.gemv_config(m, n, k)
+            if m > 1:  # the default tile over 1-4 K-splits (default: gemv_split_k's choice)
+                choices += [(f"split {s}", (*base, s)) for s in (1, 2, 3, 4)]
             if args.sweep:
                 for bn, bk, w, st in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
                     if bn * bk <= 16384 and (m > 1 or bn <= 16) and (m == 1 or bn >= 16):
@@ -76,6 +79,7 @@ def main():
                     print(f"{name:8s} M={m:2d} {label:16s} {type(e).__name__}: {str(e)[:80]}")
                     continue
                 res.append((label, us))
+            splits = "  ".join(f"{label} {us:6.2f}" for label, us in res if label.startswith("split"))
             cublas, default = res[0][1], res[1][1]
             best = min(res[1:], key=lambda r: r[1])
             total.setdefault(m, [0.0, 0.0, 0.0])
@@ -85,7 +89,7 @@ def main():
             gb = lambda us, nbytes=nbytes: nbytes / us / 1e3  # noqa: E731
             print(f"{name:8s} M={m:2d} cublas {cublas:7.2f} us ({gb(cublas):5.0f} GB/s)  triton default "
                   f"{default:7.2f} us ({gb(default):5.0f})  best {best[0]} {best[1]:7.2f} us ({gb(best[1]):5.0f}) "
-                  f"cfg={gemv.gemv_config(m, n, k)}", flush=True)
+                  f"cfg={base} split_k={gemv.gemv_split_k(m, n, k, *base[:2], x.device)}  {splits}", flush=True)
         del ws
         torch.cuda.empty_cache()
     print("\n== one decode step's linear layers (28 layers + lm_head), us ==")

@@ -224,11 +224,14 @@ def test_elementwise_kernels_compile_for_hopper():
                                                                           "res_out_ptr")} | {"eps": "fp32"},
                             dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import gemv
-    for rows in (1, 16):
-        block_n, block_k, warps, stages = gemv.gemv_config(rows, 4096, 1024)
-        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
+    for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048)):  # (the last one split over K)
+        block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k)
+        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+                            | {"part_ptr": "*fp32", "count_ptr": "*i32"},
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
-                                 EVEN=True), num_warps=warps, num_stages=stages)
+                                 EVEN=True, SPLIT_K=gemv.gemv_split_k(rows, n, k, block_n, block_k,
+                                                                      torch.device("cpu"))),
+                            num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
         block_n, block_k, warps = gemv.row_config(4096, k)
@@ -449,6 +452,18 @@ def test_decode_split_lengths():
     assert split_tokens(128, True) == (512, 8) and split_tokens(256, True) == (1024, 4)
     # fp8 with a long bound at large batch: no dozens of mostly empty splits, one per sequence as for 16-bit
     assert decode_splits(512, 8, 131072, 128, cpu, quant=True) == (1, 1024)
+
+
+def test_gemv_split_choice():
+    # K-splits only where the columns leave most SMs idle (H200 shape, 132 SMs): Qwen3-0.6B's o_proj and down at
+    # 2-16 rows in 4, qkv, gate_up and the LM head not, one row never
+    from nanovllm.layers.kernels.gemv import gemv_config, gemv_split_k
+
+    def split(m, n, k):
+        return gemv_split_k(m, n, k, *gemv_config(m, n, k)[:2], torch.device("cpu"))
+    assert [split(16, n, k) for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))] \
+        == [1, 4, 1, 4, 1]
+    assert split(2, 1024, 3072) == 4 and split(1, 1024, 3072) == 1
 
 
 def test_small_batch_linear_dispatch(monkeypatch):

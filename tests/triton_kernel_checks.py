@@ -288,13 +288,13 @@ def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
     assert_close(out, ref_out, dtype, "add_rms_norm")
 
 
-def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu"):
+def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=None):
     """The small-batch linear kernel (each row layout: one row, a 16-row dot) against F.linear in float32."""
     from nanovllm.layers.kernels.gemv import gemv
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
     b = torch.randn(n, device=device).to(dtype) if bias else None
-    out = gemv(x, w, b)
+    out = gemv(x, w, b, config=config)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, ref, dtype, f"gemv m={m} n={n} k={k} bias={bias}")
@@ -434,6 +434,17 @@ def test_gemv_kernel(m, n, k, bias, dtype):
     # even shapes (unmasked loads of W) and ragged ones (a partial tile of W rows and of K); one row: the one-row
     # kernel up to K = 4096, the general one past it
     check_gemv(m, n, k, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias,config", [(5, 40, 400, True, (16, 64, 4, 2, 3)),
+                                               (16, 64, 1000, False, (32, 128, 4, 2, 4)),
+                                               (2, 64, 1024, False, (16, 256, 4, 2, 2))])
+def test_gemv_split_k(m, n, k, bias, config, dtype):
+    # K cut over programs (the last split shorter: 400 = 192 + 192 + 16, 1000 = 3 x 256 + 232), the last to arrive
+    # adds the partials; run twice: each launch leaves the counters at zero for the next
+    for _ in range(2):
+        check_gemv(m, n, k, dtype, bias, config=config)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

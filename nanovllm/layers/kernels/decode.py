@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
 from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.scratch import scratch
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
@@ -178,23 +179,9 @@ def sm_count(device: torch.device) -> int:
     return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
 
 
-_split_counters: dict[torch.device, torch.Tensor] = {}
-_retired_counters: list[torch.Tensor] = []
-
-
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for the splits' last-one-merges (each launch leaves them zero again). One buffer
-    per device, allocated outside CUDA graph capture (the first decode step of a size runs eagerly before its
-    graph is captured, largest first) and shared by every layer: the layers' launches never overlap."""
-    buf = _split_counters.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode split counters first needed inside CUDA graph capture: run the batch size "
-                               "eagerly first")
-        if buf is not None:  # graphs captured with the old buffer still address it: keep it alive
-            _retired_counters.append(buf)
-        buf = _split_counters[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
+    """n zeroed int32 counters for the splits' last-one-merges (kernels/scratch.py), shared by every layer."""
+    return scratch(device, "split_counters", n, torch.int32)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,

@@ -11,7 +11,8 @@ once, folds in the op before the layer (RMSNorm + residual add, SiLU-and-mul: th
 starts early under programmatic dependent launch (kernels/pdl.py). `benchmarks/small_gemm.py --chain` on an H200,
 a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-row kernel, 463 with the folds and
 PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
-program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
+program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.) Where the output
+columns give the general kernel fewer programs than half the SMs, K is split over programs (gemv_split_k).
 """
 import torch
 import triton
@@ -19,18 +20,26 @@ import triton.language as tl
 
 from nanovllm.layers.kernels import activation
 from nanovllm.layers.kernels import norm as norm_kernels
+from nanovllm.layers.kernels.decode import sm_count
 from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.scratch import scratch
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
+MAX_SPLIT_K = 4
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                 stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Grid (N / BLOCK_N, SPLIT_K): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s
+    (k_per_split long, a multiple of BLOCK_K). With SPLIT_K > 1 each writes its float32 partial sums [BLOCK_M,
+    BLOCK_N] to part_ptr ([SPLIT_K, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds
+    them up, writes y and sets the counter back to zero (no second kernel, no zeroed output)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
@@ -38,7 +47,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: products summed over K once, at the end
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         if EVEN:  # no masks on W: its loads vectorize
@@ -52,6 +62,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             acc = tl.dot(x, tl.trans(w), acc)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, 1)[None, :]
+    if SPLIT_K > 1:
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # split 0's [BLOCK_M, BLOCK_N]
+        tl.store(part + pid_k * BLOCK_M * N, acc, mask=mask_n[None, :])
+        tl.debug_barrier()  # every thread's partials are written before this program counts itself (release)
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        tl.store(count_ptr + pid_n, 0)  # the last split: ready for the next launch
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # written by other SMs: read from L2 (.cg), never a stale L1 line
+            acc += tl.load(part + s * BLOCK_M * N, mask=mask_n[None, :], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -115,15 +135,26 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return (16, 512, 4, 3) if k >= 2048 else (32, 256, 4, 3)
 
 
+def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj and down
+    of Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 / 7.70 us unsplit, 5.45 / 6.81 in 4
+    splits, on one H200 (benchmarks/small_gemm.py); qkv (128 programs) lost with 2 (5.36 -> 6.18 us)."""
+    programs = triton.cdiv(n, block_n)
+    if m == 1 or 2 * programs > sm_count(device):
+        return 1
+    return max(1, min(MAX_SPLIT_K, k // block_k, 2 * sm_count(device) // programs))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None, row_kernel: bool | None = None,
+         config: tuple[int, ...] | None = None, row_kernel: bool | None = None,
          pdl: bool | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None):
     """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K. One row up to
     ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
     one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
     norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
-    (y, x + residual). Benchmarks: config picks the general kernel's tile, row_kernel and pdl force choices."""
+    (y, x + residual). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits]) picks the general
+    kernel's tile, row_kernel and pdl force choices."""
     m, width = x.shape
     n, k = weight.shape
     if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
@@ -156,9 +187,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
         return (y, res_out) if res_out is not y else y
-    block_n, block_k, warps, stages = config or gemv_config(m, n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN=n % block_n == 0 and k % block_k == 0, num_warps=warps, num_stages=stages)
+    block_n, block_k, warps, stages, *split = config or gemv_config(m, n, k)
+    split_k = split[0] if split else gemv_split_k(m, n, k, block_n, block_k, x.device)
+    block_m = 1 if m == 1 else 16
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k > 1:
+        part = scratch(x.device, "gemv_partials", split_k * block_m * n, torch.float32)
+        counters = scratch(x.device, "split_counters", triton.cdiv(n, block_n), torch.int32)
+    else:
+        part, counters = y, y  # unused
+    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
+        weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
     return y
