@@ -179,3 +179,21 @@ def test_cuda_fp8_kv_cache_graphs_equal_eager(qwen3_tied):
     for prompt, a, b in zip(prompts, *results):
         assert a["token_ids"] == b["token_ids"]
         assert a["token_ids"][0] == hf_greedy(qwen3_tied, prompt, 1)[0]
+
+
+@pytest.mark.gpu
+def test_an_engine_dropped_in_a_reference_cycle_frees_its_memory_for_the_next(qwen3_tied):
+    # both size their KV cache from free memory (most of the GPU): the first, dropped while a reference cycle still
+    # holds it, must not keep that memory from the second (the collector runs before the KV sizing)
+    import gc
+    first = LLM(qwen3_tied, kvcache_block_size=16)
+    first.cycle = first
+    blocks = first.num_kvcache_blocks
+    gc.disable()  # (no collection by chance in between: only the engine's own)
+    try:
+        del first
+        second = LLM(qwen3_tied, kvcache_block_size=16)
+    finally:
+        gc.enable()
+    assert second.num_kvcache_blocks > blocks // 2
+    second.exit()
