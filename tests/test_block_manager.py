@@ -35,6 +35,23 @@ def test_allocate_and_free_counts():
     assert bm.num_free_blocks == 8 and not seq.block_table
 
 
+def test_blocks_are_handed_out_unused_first_then_least_recently_freed():
+    # a pool of millions costs nothing until used (blocks are built when first handed out); never-used blocks go
+    # first, in id order, then freed ones, least recently freed first (cached content kept as long as possible)
+    big = BlockManager(50_000_000, BS)
+    assert big.num_free_blocks == 50_000_000 and not big.blocks
+    bm = BlockManager(6, BS)
+    a, b = _seq(range(40)), _seq(range(100, 132))  # 3 blocks and 2
+    bm.allocate(a)
+    bm.allocate(b)
+    assert (a.block_table, b.block_table, len(bm.blocks)) == ([0, 1, 2], [3, 4], 5)
+    bm.deallocate(b)  # freed in reverse: 4, then 3
+    bm.deallocate(a)  # 2, 1, 0
+    c = _seq(range(200, 280))  # 5 blocks: the unused 5, then the least recently freed 4, 3, 2, 1
+    bm.allocate(c)
+    assert c.block_table == [5, 4, 3, 2, 1] and bm.num_free_blocks == 1 and len(bm.blocks) == 6
+
+
 def test_only_computed_blocks_are_cached():
     bm = BlockManager(8, BS)
     a = _seq(range(40))

@@ -33,23 +33,30 @@ class BlockManager:
 
     A block enters the prefix cache only once its K/V have been computed (`hash_blocks`), so a
     half-done chunked prefill is never served to another request. Freed blocks keep their hash and
-    can be revived until they are handed out for new content (least recently freed first).
+    can be revived until they are handed out for new content: never-used blocks first (in id order),
+    then the least recently freed. Blocks come into being when first handed out: a small model on a large
+    GPU has millions (a 2-layer test model in 126 GB: 15 million, 3.7 us each to build up front).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # the blocks handed out so far: block_id = index
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
         self.used_block_ids: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return self.num_blocks - len(self.blocks) + len(self.free_block_ids)
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        if len(self.blocks) < self.num_blocks:
+            self.blocks.append(Block(len(self.blocks)))
+            block_id = len(self.blocks) - 1
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]  # its old content is about to be overwritten
