@@ -1,5 +1,4 @@
 """The paged KV cache: how many blocks fit, and one tensor for every layer's K and V, bound to the layers."""
-import gc
 import logging
 
 import torch
@@ -22,10 +21,6 @@ def count_blocks(runner) -> int:
     With tensor parallelism every rank must hold the same blocks: the smallest count wins."""
     cfg = runner.config
     if runner.is_cuda:
-        if cfg.num_kvcache_blocks <= 0:
-            # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its cache and weights until
-            # the collector runs: collect now, so that memory counts as free (the warm-up empties torch's cache)
-            gc.collect()
         warmup(runner)  # measures the activation peak, and compiles the largest step before the first real one
     if cfg.num_kvcache_blocks > 0:
         num_blocks = cfg.num_kvcache_blocks

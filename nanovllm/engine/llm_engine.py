@@ -1,4 +1,5 @@
 import atexit
+import gc
 import logging
 import os
 import threading
@@ -108,6 +109,11 @@ class LLMEngine:
             if config.load_format != "dummy":
                 raise
             tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
+        if config.device == "cuda":
+            # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its weights and KV cache
+            # until the collector runs: collect now, before this one loads weights and sizes its cache from what
+            # is free (on an H200 the next LLM(...) found no memory for its cache)
+            gc.collect()
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
         start = perf_counter()
         try:
@@ -147,8 +153,6 @@ class LLMEngine:
         atexit.unregister(self._finalizer)
         self.executor = None
         if on_cuda:  # hand the cache, weights and graph pool back to the device
-            import gc
-
             import torch
             gc.collect()
             torch.cuda.empty_cache()
