@@ -57,8 +57,9 @@ def main():
             assert err < 1e-2, (name, m, err)
             choices = [("cublas", None), ("default", None)]
             base = gemv.gemv_config(m, n, k)
-            if m > 1:  # the default tile over 1-4 K-splits (default: gemv_split_k's choice)
-                choices += [(f"split {s}", (*base, s)) for s in (1, 2, 3, 4)]
+            if m > 1:  # the default tile over 1-4 K-splits as launched (default: gemv_split_k's choice)
+                launched = sorted({gemv.k_splits(k, s, base[1])[0] for s in (1, 2, 3, 4)})
+                choices += [(f"split {s}", (*base, s)) for s in launched]
             if args.sweep:
                 for bn, bk, w, st in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
                     if bn * bk <= 16384 and (m > 1 or bn <= 16) and (m == 1 or bn >= 16):

@@ -4,15 +4,15 @@ At batch 1-16 a linear layer is a read of W. Each program owns BLOCK_N rows of W
 once, with every row of x: one row multiplies and adds on the CUDA cores, 2-16 rows go through one 16-row tl.dot.
 On one H200 (benchmarks/small_gemm.py, docs/benchmarks.md) this took a batch-1 decode step's linear layers (Qwen3-0.6B
 shapes) from 994 to 743 us; cuBLAS picks slow kernels for some of these shapes (o_proj, 2048 -> 1024: 13.3 us against
-5-6 here). Splitting K across programs (atomic adds) was measured too and never won.
+5-6 here). Where the output columns give fewer programs than half the SMs, K is split over programs (gemv_split_k),
+the last split adding the partials; an earlier split with atomic adds into a zeroed output never won.
 
 One row (batch-1 decode, K up to ROW_MAX_K) has its own kernel, which loads each program's whole slice of W at
 once, folds in the op before the layer (RMSNorm + residual add, SiLU-and-mul: the decoder's forward_small) and
 starts early under programmatic dependent launch (kernels/pdl.py). `benchmarks/small_gemm.py --chain` on an H200,
 a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-row kernel, 463 with the folds and
 PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
-program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.) Where the output
-columns give the general kernel fewer programs than half the SMs, K is split over programs (gemv_split_k).
+program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
 """
 import torch
 import triton
@@ -33,11 +33,12 @@ ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slic
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                  stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Grid (N / BLOCK_N, SPLIT_K): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s
-    (k_per_split long, a multiple of BLOCK_K). With SPLIT_K > 1 each writes its float32 partial sums [BLOCK_M,
-    BLOCK_N] to part_ptr ([SPLIT_K, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds
-    them up, writes y and sets the counter back to zero (no second kernel, no zeroed output)."""
+                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
+    long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
+    BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
+    up, writes y and sets the counter back to zero (no second kernel, no zeroed output). The split count is a
+    run-time value: one compiled kernel for every count."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -47,8 +48,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: products summed over K once, at the end
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_start, k_end = 0, K
+    if SPLIT:
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         if EVEN:  # no masks on W: its loads vectorize
@@ -62,15 +66,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
             acc = tl.dot(x, tl.trans(w), acc)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, 1)[None, :]
-    if SPLIT_K > 1:
+    if SPLIT:
+        splits = tl.num_programs(1)
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # split 0's [BLOCK_M, BLOCK_N]
         tl.store(part + pid_k * BLOCK_M * N, acc, mask=mask_n[None, :])
         tl.debug_barrier()  # every thread's partials are written before this program counts itself (release)
-        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != splits - 1:
             return
         tl.store(count_ptr + pid_n, 0)  # the last split: ready for the next launch
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):  # written by other SMs: read from L2 (.cg), never a stale L1 line
+        for s in range(0, splits):  # written by other SMs: read from L2 (.cg), never a stale L1 line
             acc += tl.load(part + s * BLOCK_M * N, mask=mask_n[None, :], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -135,14 +140,20 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return (16, 512, 4, 3) if k >= 2048 else (32, 256, 4, 3)
 
 
+def k_splits(k: int, want: int, block_k: int) -> tuple[int, int]:
+    """(splits, K per split): at most `want` runs of whole BLOCK_K tiles, none of them empty."""
+    per_split = triton.cdiv(triton.cdiv(k, max(want, 1)), block_k) * block_k
+    return triton.cdiv(k, per_split), per_split
+
+
 def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
     """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj and down
-    of Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 / 7.70 us unsplit, 5.45 / 6.81 in 4
+    of Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 / 7.70 us unsplit, 5.45 / 6.81 in 4 / 3
     splits, on one H200 (benchmarks/small_gemm.py); qkv (128 programs) lost with 2 (5.36 -> 6.18 us)."""
     programs = triton.cdiv(n, block_n)
     if m == 1 or 2 * programs > sm_count(device):
         return 1
-    return max(1, min(MAX_SPLIT_K, k // block_k, 2 * sm_count(device) // programs))
+    return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -188,10 +199,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
         return (y, res_out) if res_out is not y else y
     block_n, block_k, warps, stages, *split = config or gemv_config(m, n, k)
-    split_k = split[0] if split else gemv_split_k(m, n, k, block_n, block_k, x.device)
+    split_k, k_per_split = k_splits(k, split[0] if split else gemv_split_k(m, n, k, block_n, block_k, x.device),
+                                    block_k)
     block_m = 1 if m == 1 else 16
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
     if split_k > 1:
         part = scratch(x.device, "gemv_partials", split_k * block_m * n, torch.float32)
         counters = scratch(x.device, "split_counters", triton.cdiv(n, block_n), torch.int32)
@@ -200,5 +210,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, num_warps=warps, num_stages=stages)
     return y

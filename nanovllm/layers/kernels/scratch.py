@@ -12,6 +12,8 @@ _retired: list[torch.Tensor] = []
 def scratch(device: torch.device, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     """At least n elements of the (device, name) buffer, zeroed when allocated."""
     buf = _buffers.get((device, name))
+    if buf is not None and buf.dtype != dtype:
+        raise TypeError(f"kernel scratch buffer {name!r} holds {buf.dtype}, asked for {dtype}")
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kernel scratch buffer {name!r} first needed inside CUDA graph capture: run the "
