@@ -184,7 +184,7 @@ def test_cuda_fp8_kv_cache_graphs_equal_eager(qwen3_tied):
 @pytest.mark.gpu
 def test_an_engine_dropped_in_a_reference_cycle_frees_its_memory_for_the_next(qwen3_tied):
     # both size their KV cache from free memory (most of the GPU): the first, dropped while a reference cycle still
-    # holds it, must not keep that memory from the second (the collector runs before the KV sizing)
+    # holds it, must not keep that memory from the second (the engine collects garbage as it starts)
     import gc
     first = LLM(qwen3_tied, kvcache_block_size=16)
     first.cycle = first
