@@ -32,7 +32,7 @@ if has tests; then
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
   # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. About 15-20 s a test
-  # on an H200 where a test starts CUDA engines (measured on test_engine.py's first 13; most of it was building a
+  # on an H200 where a test starts CUDA engines (measured on test_engine.py's first 13; likely much of it: building a
   # Python object for each of a test model's 15 million KV blocks, now built when first used: remeasure), so the
   # 176 tests take several calls: ENGINE_SHARD=k/N (default 1/6) runs every N-th test from the k-th
   step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/6}" tests/test_engine.py \
