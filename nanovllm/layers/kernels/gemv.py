@@ -26,7 +26,7 @@ from nanovllm.layers.kernels.scratch import scratch
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
-MAX_SPLIT_K = 4
+MAX_SPLIT_K = 4  # K-splits of the general kernel at most (measured: 1-4, benchmarks/small_gemm.py)
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
