@@ -180,7 +180,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for the splits' last-one-merges (kernels/scratch.py), shared by every layer."""
+    """n zeroed int32 counters for the splits' last-one-merges (kernels/scratch.py), shared by every layer and by
+    the linear kernel's K-splits (gemv.py)."""
     return scratch(device, "split_counters", n, torch.int32)
 
 

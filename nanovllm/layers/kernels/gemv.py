@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nanovllm.layers.kernels import activation
 from nanovllm.layers.kernels import norm as norm_kernels
-from nanovllm.layers.kernels.decode import sm_count
+from nanovllm.layers.kernels.decode import sm_count, split_counters
 from nanovllm.layers.kernels.pdl import pdl_enabled
 from nanovllm.layers.kernels.scratch import scratch
 
@@ -204,7 +204,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_m = 1 if m == 1 else 16
     if split_k > 1:
         part = scratch(x.device, "gemv_partials", split_k * block_m * n, torch.float32)
-        counters = scratch(x.device, "split_counters", triton.cdiv(n, block_n), torch.int32)
+        counters = split_counters(x.device, triton.cdiv(n, block_n))
     else:
         part, counters = y, y  # unused
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
