@@ -139,6 +139,7 @@ def test_prefix_cache_shared_within_batch_and_disabled(qwen3_tied):
     assert [o["num_cached_tokens"] for o in again] == [32, 48, 48]
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in outs]
 
+    del llm  # (on a GPU the next engine sizes its cache from the memory this one frees)
     llm = LLM(qwen3_tied, kvcache_block_size=16, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o["num_cached_tokens"] == 0 for o in outs)

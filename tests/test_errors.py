@@ -197,7 +197,7 @@ def test_checkpoint_weight_of_the_wrong_shape(qwen3_tied, checkpoint_tensors, tm
 
 
 def test_shutdown(qwen3_tied):
-    with LLM(qwen3_tied, kvcache_block_size=16) as llm:
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=128) as llm:  # (beside the module's engine)
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)

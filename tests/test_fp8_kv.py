@@ -73,12 +73,13 @@ def test_quantize_round_trip():
 
 def test_quality_bounds_hold_and_a_broken_scale_breaks_them(large_k, monkeypatch):
     prompts = _prompts(0, 16)
-    good = quality(large_k, prompts)
+    torch_backend = dict(attention_backend="torch")  # (the backend whose quantize is broken below, on a GPU too)
+    good = quality(large_k, prompts, **torch_backend)
     assert _within_bounds(good), good
     # all scales 1.0: keys of ~1000 saturate at fp8's largest value (448)
     monkeypatch.setattr(torch_ref, "quantize", lambda x, dtype: (x.float().clamp(-448, 448).to(dtype),
                                                                  torch.ones(x.shape[:-1])))
-    broken = quality(large_k, prompts)
+    broken = quality(large_k, prompts, **torch_backend)
     assert not _within_bounds(broken), broken
 
 
@@ -118,12 +119,15 @@ def test_the_cache_holds_about_twice_the_tokens(qwen3_tied):
     assert sizes["fp8"] == sizes["fp8_e5m2"] and sizes["fp8"] / sizes["auto"] == pytest.approx(32 / 20, rel=0.01)
 
 
-def test_an_fp8_cache_stores_v_token_major_and_starts_zeroed(qwen3_tied):
+def test_an_fp8_cache_stores_v_token_major_and_starts_finite(qwen3_tied):
     # The kernels read whole V tiles past a context (weight 0): the bytes there must be finite, so the cache starts
-    # zeroed; V is token-major (each head's tokens contiguous), K as the 16-bit cache
+    # zeroed (on CUDA the start-up's kernel warm-up then writes a few tokens into the first blocks); V is
+    # token-major (each head's tokens contiguous), K as the 16-bit cache
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256, kv_cache_dtype="fp8")
     runner = llm.executor.runner
-    assert not runner.kv_cache.view(torch.uint8).any() and not runner.kv_scale.any()
+    assert torch.isfinite(runner.kv_cache.float()).all() and torch.isfinite(runner.kv_scale).all()
+    if not runner.is_cuda:
+        assert not runner.kv_cache.view(torch.uint8).any() and not runner.kv_scale.any()
     attn = runner.attn_layers[0]
     assert attn.k_cache.shape == attn.v_cache.shape and attn.k_cache.stride(-1) == 1 and attn.v_cache.stride(1) == 1
     prompt = list(range(3, 40))

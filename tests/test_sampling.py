@@ -230,7 +230,10 @@ def test_streaming_equals_generate(llm):
     assert texts == [o["text"] for o in full]
     assert ids == [o["token_ids"] for o in full]
     assert finished == [o["finish_reason"] for o in full]
-    assert logprobs[1] == full[1]["logprobs"]
+    # the same tokens; logprobs as equal as float32 allows (on CUDA the two runs' steps may round apart)
+    assert len(logprobs[1]) == len(full[1]["logprobs"])
+    for a, b in zip(logprobs[1], full[1]["logprobs"]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), (a, b)
 
 
 def test_streaming_with_stop_strings_holds_back_text(llm):
@@ -304,7 +307,7 @@ def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
     gen = json.loads((path / "generation_config.json").read_text())
     gen.update(temperature=0.7, top_k=1, top_p=0.9)
     (path / "generation_config.json").write_text(json.dumps(gen))
-    llm = LLM(str(path), kvcache_block_size=16)
+    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=128)  # (beside the module's engine on a GPU)
     assert (llm.default_sampling_params.temperature, llm.default_sampling_params.top_k) == (0.7, 1)
     prompt = _prompts(11, [8])[0]
     out = llm.generate([prompt], use_tqdm=False)[0]  # top_k=1: greedy whatever the temperature
@@ -326,14 +329,15 @@ def test_bad_sampling_options(kwargs, error):
         SamplingParams(**kwargs)
 
 
-def test_penalties_in_a_mixed_batch_with_chunked_prefill_and_preemption(qwen3_tied):
+def test_penalties_in_a_mixed_batch_with_chunked_prefill_and_preemption(llm, qwen3_tied):
     """The device-side token history follows each request through chunks, preemption and batch changes."""
     penalized = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.8,
                                frequency_penalty=0.6)
     plain = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     prompts = _prompts(12, [40, 70, 25, 90])
-    alone = LLM(qwen3_tied, kvcache_block_size=16)
-    expected = [alone.generate([p], sp, use_tqdm=False)[0]["token_ids"]
+    # each request alone on the module's engine (a second engine sized from free memory would find none left on a
+    # GPU while that one lives)
+    expected = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"]
                 for p, sp in zip(prompts, [penalized, plain, penalized, plain])]
     tight = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=9,
                 max_model_len=144)
