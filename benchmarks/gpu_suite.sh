@@ -31,11 +31,10 @@ if has tests; then
     --deselect tests/test_moe.py  # (the moe step runs those)
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
-  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. About 15-20 s a test
-  # on an H200 where a test starts CUDA engines (measured on test_engine.py's first 13; likely much of it: building a
-  # Python object for each of a test model's 15 million KV blocks, now built when first used: remeasure), so the
-  # 176 tests take several calls: ENGINE_SHARD=k/N (default 1/6) runs every N-th test from the k-th
-  step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/6}" tests/test_engine.py \
+  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. All 177 took 103 s on
+  # an H200 (2026-12-02; 15-20 s a test before the KV blocks' Python objects were built lazily).
+  # ENGINE_SHARD=k/N runs every N-th test from the k-th (default 1/1: all)
+  step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/1}" tests/test_engine.py \
     tests/test_async_scheduling.py tests/test_fp8_kv.py tests/test_rl_eval.py tests/test_sampling.py \
     tests/test_models.py tests/test_errors.py
 fi
