@@ -78,7 +78,7 @@ def test_quality_bounds_hold_and_a_broken_scale_breaks_them(large_k, monkeypatch
     assert _within_bounds(good), good
     # all scales 1.0: keys of ~1000 saturate at fp8's largest value (448)
     monkeypatch.setattr(torch_ref, "quantize", lambda x, dtype: (x.float().clamp(-448, 448).to(dtype),
-                                                                 torch.ones(x.shape[:-1])))
+                                                                 torch.ones(x.shape[:-1], device=x.device)))
     broken = quality(large_k, prompts, **torch_backend)
     assert not _within_bounds(broken), broken
 
@@ -115,8 +115,10 @@ def test_async_scheduling_n_samples_and_sleep_equal_the_plain_fp8_loop(large_k):
 def test_the_cache_holds_about_twice_the_tokens(qwen3_tied):
     sizes = {dt: LLM(qwen3_tied, kvcache_block_size=16, max_model_len=256, cpu_kvcache_gb=0.01, dtype="bfloat16",
                      kv_cache_dtype=dt).num_kvcache_blocks for dt in ("auto", "fp8", "fp8_e5m2")}
-    # head_dim 16: a 16-bit row is 32 bytes, an fp8 row 16 + a 4-byte scale
-    assert sizes["fp8"] == sizes["fp8_e5m2"] and sizes["fp8"] / sizes["auto"] == pytest.approx(32 / 20, rel=0.01)
+    # head_dim 16: a 16-bit row is 32 bytes, an fp8 row 16 + a 4-byte scale (on a GPU the cache is sized from free
+    # memory, which moves a little from one engine to the next)
+    assert sizes["fp8"] == pytest.approx(sizes["fp8_e5m2"], rel=0.001)
+    assert sizes["fp8"] / sizes["auto"] == pytest.approx(32 / 20, rel=0.01)
 
 
 def test_an_fp8_cache_stores_v_token_major_and_starts_finite(qwen3_tied):
