@@ -31,7 +31,7 @@ if has tests; then
     --deselect tests/test_moe.py  # (the moe step runs those)
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
-  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. All 177 took 103 s on
+  # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. All 177 ran in 103 s on
   # an H200 (2026-12-02; 15-20 s a test before the KV blocks' Python objects were built lazily).
   # ENGINE_SHARD=k/N runs every N-th test from the k-th (default 1/1: all)
   step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/1}" tests/test_engine.py \

@@ -197,7 +197,8 @@ def test_checkpoint_weight_of_the_wrong_shape(qwen3_tied, checkpoint_tensors, tm
 
 
 def test_shutdown(qwen3_tied):
-    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=128) as llm:  # (beside the module's engine)
+    # a fixed cache (beside the module's engine on a GPU)
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)

@@ -58,7 +58,9 @@ def test_seeded_request_is_independent_of_prompt_chunking(llm, qwen3_tied):
     prompt = _prompts(15, [40])[0]
     seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=77)
     whole = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
-    chunked = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=16)  # 16 + 16 + 8 prompt tokens
+    # 16 + 16 + 8 prompt tokens; a fixed cache (beside the module's engine on a GPU)
+    chunked = LLM(qwen3_tied, kvcache_block_size=16, max_num_batched_tokens=16, num_kvcache_blocks=64,
+                  max_model_len=256)
     assert chunked.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"] == whole
 
 
@@ -307,7 +309,8 @@ def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
     gen = json.loads((path / "generation_config.json").read_text())
     gen.update(temperature=0.7, top_k=1, top_p=0.9)
     (path / "generation_config.json").write_text(json.dumps(gen))
-    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=128)  # (beside the module's engine on a GPU)
+    # a fixed cache (beside the module's engine on a GPU)
+    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
     assert (llm.default_sampling_params.temperature, llm.default_sampling_params.top_k) == (0.7, 1)
     prompt = _prompts(11, [8])[0]
     out = llm.generate([prompt], use_tqdm=False)[0]  # top_k=1: greedy whatever the temperature
