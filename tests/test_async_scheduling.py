@@ -5,6 +5,7 @@ import random
 import torch
 
 from nanovllm import LLM, SamplingParams
+from tests.compare import assert_logprobs_close
 from tests.tiny_models import hf_greedy
 
 N = 20
@@ -20,9 +21,7 @@ def _same(a: list[dict], b: list[dict]):
     loop runs a finished row once more, and the kernels' reductions depend on the row count)."""
     for x, y in zip(a, b):
         assert (x["token_ids"], x["text"], x["finish_reason"]) == (y["token_ids"], y["text"], y["finish_reason"])
-        assert len(x.get("logprobs") or []) == len(y.get("logprobs") or [])
-        for p, q in zip(x.get("logprobs") or [], y.get("logprobs") or []):
-            assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < 1e-4 for t in p), (p, q)
+        assert_logprobs_close(x.get("logprobs"), y.get("logprobs"))
 
 
 def test_greedy_matches_transformers(qwen3_tied):
@@ -128,8 +127,7 @@ def test_tensor_parallel_equals_the_plain_loop(qwen3_tied):
     # and the oneDNN matmuls' blocking depends on the row count)
     for x, y in zip(async_sampled, plain_sampled):
         assert (x["token_ids"], x["finish_reason"]) == (y["token_ids"], y["finish_reason"])
-        for a, b in zip(x["logprobs"], y["logprobs"]):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        assert_logprobs_close(x["logprobs"], y["logprobs"])
 
 
 def test_default_is_on_for_one_cuda_rank_only(qwen3_tied, monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.data_parallel import DataParallelLLM, ReplicaError, route
+from tests.compare import assert_logprobs_close
 from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -45,8 +46,7 @@ def _same(outs: list[dict], expected: list[dict]):
     for out, ref in zip(outs, expected, strict=True):
         for a, b in zip(out["outputs"], ref["outputs"], strict=True):
             assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}
-            for x, y in zip(a.get("logprobs", []), b.get("logprobs", []), strict=True):
-                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+            assert_logprobs_close(a.get("logprobs"), b.get("logprobs"))
 
 
 def _params() -> list[SamplingParams]:

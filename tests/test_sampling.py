@@ -10,6 +10,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingTensors
+from tests.compare import assert_logprobs_close
 from tests.tiny_models import _tokenizer, hf_greedy, hf_model
 
 N = 16
@@ -233,9 +234,7 @@ def test_streaming_equals_generate(llm):
     assert ids == [o["token_ids"] for o in full]
     assert finished == [o["finish_reason"] for o in full]
     # the same tokens; logprobs as equal as float32 allows (on CUDA the two runs' steps may round apart)
-    assert len(logprobs[1]) == len(full[1]["logprobs"])
-    for a, b in zip(logprobs[1], full[1]["logprobs"]):
-        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), (a, b)
+    assert_logprobs_close(logprobs[1], full[1]["logprobs"])
 
 
 def test_streaming_with_stop_strings_holds_back_text(llm):
