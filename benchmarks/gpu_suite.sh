@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -91,6 +91,9 @@ if has tiles_token; then  # fp8 tiles with V token-major, and the default with V
 fi
 if has gemv; then  # linear layers at decode batch sizes: cuBLAS against the Triton kernel
   TAIL=14 step gemv 120 python3 benchmarks/small_gemm.py
+fi
+if has host_time; then  # host time per decode step by part, and the time it waits for the GPU (batch 16 and 1)
+  TAIL=30 step host_time 120 python3 benchmarks/host_time.py
 fi
 if has gemv_chain; then  # a decode step's linear part: separate norm/SiLU kernels, folded, folded + PDL
   TAIL=10 step gemv_chain 120 python3 benchmarks/small_gemm.py --chain --rows 1 4 16
