@@ -6,7 +6,7 @@ waits for the GPU: a wait near zero means the loop is host-bound (the CPU, not t
 
 Each part is timed by wrapping the engine's methods (a few us of overhead each); parts nest (launch holds
 runner.prepare, run_model, the sampler; run_model holds graphs.replay, which holds fill_graph_buffers and
-graph.replay, and compute_logits). No torch profiler: under CUPTI a graph launch took 274 us of host time against
+graph.replay, and compute_logits, which the graphs of up to 16 rows run inside). No torch profiler: under CUPTI a graph launch took 274 us of host time against
 14-19 us without (docs/benchmarks.md), which makes the loop look host-bound when it is not.
 """
 import argparse

@@ -5,6 +5,12 @@ import torch
 
 from nanovllm.utils.context import Context, reset_context, set_context
 
+# Buckets up to this many rows (one process, no tensor parallelism) capture the LM head too and return logits: its
+# kernel's Python launch cost 75-150 us of host time per step, which at batch 1 on a slower CPU set ms/token
+# (benchmarks/host_time.py, docs/benchmarks.md). Larger buckets return hidden rows (a static [bucket, vocab]
+# output would take 155 MB at 512 rows of a 151,936-token vocabulary).
+LOGITS_IN_GRAPH_ROWS = 16
+
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16, and max_num_seqs itself, so every batch size finds a bucket."""
@@ -50,6 +56,8 @@ class DecodeGraphs:
         self.metadata = backend.graph_buffers(max_bs, max_blocks, device)
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits_rows = LOGITS_IN_GRAPH_ROWS if cfg.tensor_parallel_size == 1 else 0
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's logits (in the graphs' memory pool)
 
     @torch.inference_mode()
     def forward(self, buckets: list[int]):
@@ -64,14 +72,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self):
-        model, pool = self.model, None
+        pool = None
         try:
             for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
                 set_context(self.backend.graph_view(self.metadata, bs))
-                self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # any JIT before capture
+                self._step(bs)  # any JIT and scratch buffer before capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+                    logits = self._step(bs)
+                if logits is not None:
+                    self.logits[bs] = logits
                 pool = pool or graph.pool()
                 self.graphs[bs] = graph
                 torch.cuda.synchronize()
@@ -81,21 +91,34 @@ class DecodeGraphs:
         finally:
             reset_context()
 
+    def _step(self, bs: int) -> torch.Tensor | None:
+        """What a bucket's graph runs: the logits of its rows (small buckets), else hidden rows into outputs."""
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        if bs <= self.logits_rows:
+            return self.model.compute_logits(hidden)
+        self.outputs[:bs] = hidden
+        return None
+
     def release(self):
         torch.cuda.synchronize()
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self.logits.clear()
         torch.cuda.synchronize()
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               context: Context) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden rows, None), or (None, logits) from a bucket that computes them."""
         bs = input_ids.size(0)
-        graph = self.graphs[bucket_for(self.buckets, bs)]
+        bucket = bucket_for(self.buckets, bs)
         self.input_ids[:bs] = input_ids
         self.positions[:bs] = positions
-        self.backend.fill_graph_buffers(self.metadata, context)
-        graph.replay()
-        return self.outputs[:bs]
+        self.backend.fill_graph_buffers(self.metadata, context, bucket)
+        self.graphs[bucket].replay()
+        if bucket in self.logits:
+            return None, self.logits[bucket][:bs]
+        return self.outputs[:bs], None

@@ -16,7 +16,7 @@ from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.compile import use_compiled_ops
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
-from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.context import reset_context, set_context, to_device_packed
 from nanovllm.utils.distributed import TPGroup, building_for
 from nanovllm.utils.loader import init_dummy_weights, iter_weights, load_named_weights, load_weights
 
@@ -253,7 +253,8 @@ class ModelRunner:
             fb.prompt_rows = self._to_device(rows, torch.int64)
         return fb
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> ForwardBatch:
+    def _prepare_decode(self, seqs: list[Sequence], rows: list[int] | None) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's tensors in two copies, and `rows` (_previous_rows) on the device (empty when None)."""
         input_ids, positions, slot_mapping, context_lens = [], [], [], []
         for seq in seqs:
             input_ids.append(seq.last_token)
@@ -261,24 +262,37 @@ class ModelRunner:
             context_lens.append(len(seq))
             slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
         context = self.backend.decode_context(self._to_device, slot_mapping, context_lens, self._padded_tables(seqs))
-        return ForwardBatch(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                            context, None)
+        input_ids, positions, rows = to_device_packed(self._to_device, [input_ids, positions, rows or []],
+                                                      torch.int64)
+        return ForwardBatch(input_ids, positions, context, None), rows
+
+    @staticmethod
+    def _previous_rows(seqs: list[Sequence], previous: PendingStep) -> list[int] | None:
+        """For each sequence, the row of `previous` whose sampled token is its input (-1: none); None if no
+        sequence's input is."""
+        source = {seq.seq_id: (row, index) for row, (seq, index)
+                  in enumerate(zip(previous.batch.rows, previous.batch.out_index))}
+        rows = []
+        for seq in seqs:
+            row, index = source.get(seq.seq_id, (-1, -1))
+            rows.append(row if index == len(seq) - 1 else -1)  # is its input that step's output?
+        return rows if any(row >= 0 for row in rows) else None
 
     def prepare(self, batch: ScheduledBatch, previous: PendingStep | None = None) -> ForwardBatch:
         """This step's tensors. Under async scheduling, a sequence whose input is the token `previous` sampled (still
         a placeholder on the host) takes it straight from the device."""
         seqs = batch.seqs
-        fb = self._prepare_prefill(batch) if batch.is_prefill else self._prepare_decode(seqs)
-        if previous is not None:
-            source = {seq.seq_id: (row, index) for row, (seq, index)
-                      in enumerate(zip(previous.batch.rows, previous.batch.out_index))}
-            rows = []
-            for seq in seqs:
-                row, index = source.get(seq.seq_id, (-1, -1))
-                rows.append(row if index == len(seq) - 1 else -1)  # is its input that step's output?
-            if any(row >= 0 for row in rows):
-                rows = self._to_device(rows, torch.int64)
-                fb.input_ids = torch.where(rows >= 0, previous.tokens[rows.clamp(min=0)], fb.input_ids)
+        rows = self._previous_rows(seqs, previous) if previous is not None else None
+        if batch.is_prefill:
+            fb = self._prepare_prefill(batch)
+            rows_device = self._to_device(rows, torch.int64) if rows is not None else None
+        else:
+            fb, rows_device = self._prepare_decode(seqs, rows)
+        if rows is not None:
+            if rows == list(range(len(rows))):  # every sequence continues in the same row (steady decode)
+                fb.input_ids = previous.tokens[:len(rows)].to(torch.int64)
+            else:
+                fb.input_ids = torch.where(rows_device >= 0, previous.tokens[rows_device.clamp(min=0)], fb.input_ids)
         if self.rank == 0:
             fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device)
         return fb
@@ -288,7 +302,9 @@ class ModelRunner:
         """Logits [rows of logits_indices, vocab] on rank 0 (None on the other ranks)."""
         set_context(fb.context)
         if not fb.context.is_prefill and self.graphs is not None and self.graphs.can_run(fb.input_ids.size(0)):
-            hidden = self.graphs.replay(fb.input_ids, fb.positions, fb.context)
+            hidden, logits = self.graphs.replay(fb.input_ids, fb.positions, fb.context)
+            if logits is not None:  # (a small bucket's graph computes them; decode has no prompt rows)
+                return logits
         else:
             hidden = self.model(fb.input_ids, fb.positions)
         if fb.prompt_rows is not None:

@@ -8,6 +8,20 @@ import torch
 ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 
 
+def to_device_packed(to_device: ToDevice, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Several lists of one dtype in one host-to-device copy, each returned as a 1-D view. A decode step's host
+    time went mostly to small tensors each pinned and copied (benchmarks/host_time.py, docs/benchmarks.md). Each
+    view starts 16-byte aligned, as a tensor of its own would: Triton compiles a kernel per pointer alignment."""
+    align = max(1, 16 // dtype.itemsize)
+    flat, offsets = [], []
+    for part in parts:
+        offsets.append(len(flat))
+        flat.extend(part)
+        flat.extend([0] * (-len(flat) % align))
+    packed = to_device(flat, dtype)
+    return [packed[offset:offset + len(part)] for offset, part in zip(offsets, parts)]
+
+
 @dataclass(slots=True)
 class Context:
     """Per-step tensors read by attention and the LM head; set when a step's batch runs, reset after it.

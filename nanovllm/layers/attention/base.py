@@ -1,7 +1,7 @@
 import torch
 
 from nanovllm.layers.attention.fp8 import is_fp8
-from nanovllm.utils.context import Context, ToDevice
+from nanovllm.utils.context import Context, ToDevice, to_device_packed
 
 
 class AttentionBackend:
@@ -44,9 +44,11 @@ class AttentionBackend:
 
     def decode_context(self, to_device: ToDevice, slot_mapping: list[int], context_lens: list[int],
                        block_tables: list[list[int]]) -> Context:
-        return Context(False, slot_mapping=to_device(slot_mapping, torch.int32),
-                       context_lens=to_device(context_lens, torch.int32),
-                       block_tables=to_device(block_tables, torch.int32))
+        """block_tables: one row per sequence, right-padded with -1. The three go in one copy."""
+        slots, lens, tables = to_device_packed(to_device, [slot_mapping, context_lens,
+                                                           [b for row in block_tables for b in row]], torch.int32)
+        return Context(False, slot_mapping=slots, context_lens=lens,
+                       block_tables=tables.view(len(block_tables), len(block_tables[0])))
 
     # ---- decode CUDA graphs -----------------------------------------------------------------------
     def graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device) -> Context:
@@ -60,12 +62,14 @@ class AttentionBackend:
         return Context(False, slot_mapping=buffers.slot_mapping[:batch], context_lens=buffers.context_lens[:batch],
                        block_tables=buffers.block_tables[:batch])
 
-    def fill_graph_buffers(self, buffers: Context, step: Context):
-        """Copy a step's metadata into the buffers before a replay (rows past the step's batch become padding)."""
+    def fill_graph_buffers(self, buffers: Context, step: Context, bucket: int):
+        """Copy a step's metadata into the buffers before the replay of a `bucket`-row graph: rows from the step's
+        batch to the bucket become padding (write nothing, read nothing); the graph reads no row past it."""
         batch = step.slot_mapping.size(0)
-        buffers.slot_mapping.fill_(-1)
+        if batch < bucket:
+            buffers.slot_mapping[batch:bucket].fill_(-1)
+            buffers.context_lens[batch:bucket].zero_()
         buffers.slot_mapping[:batch] = step.slot_mapping
-        buffers.context_lens.zero_()
         buffers.context_lens[:batch] = step.context_lens
         buffers.block_tables[:batch, : step.block_tables.size(1)] = step.block_tables
 
