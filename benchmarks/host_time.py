@@ -1,13 +1,15 @@
-"""Where the host's time goes in a decode step of the real generate loop (async scheduling on), and how long it
-waits for the GPU: a wait near zero means the loop is host-bound (the CPU, not the GPU, sets ms/token).
+"""Where the host's time goes in a decode step of the real loop (async scheduling on), and how long it waits for
+the GPU: a wait near zero means the loop is host-bound (the CPU, not the GPU, sets ms/token).
 
     python benchmarks/host_time.py [--batches 16 1] [--model PATH] [--new-tokens 128] [--prompt-len 512]
                                     [--max-token-id 10000]
 
-Each part is timed by wrapping the engine's methods (a few us of overhead each); parts nest (launch holds
-runner.prepare, run_model, the sampler; run_model holds graphs.replay, which holds fill_graph_buffers and
-graph.replay, and compute_logits, which the graphs of up to 16 rows run inside). No torch profiler: under CUPTI a graph launch took 274 us of host time against
-14-19 us without (docs/benchmarks.md), which makes the loop look host-bound when it is not.
+The prompts are prefilled first; then the counters start and `--new-tokens` decode steps run through
+`llm.step()`, each part timed by wrapping the engine's methods (a few us of overhead each). Parts nest (launch
+holds runner.prepare, run_model, the sampler; run_model holds graphs.replay, which holds fill_graph_buffers and
+graph.replay, and compute_logits, which the graphs of up to 16 rows run inside). No torch profiler: under CUPTI a
+graph launch took 274 us of host time against 14-19 us without (docs/benchmarks.md), which makes the loop look
+host-bound when it is not.
 """
 import argparse
 import collections
@@ -79,20 +81,26 @@ def main():
         return SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)
     for batch in args.batches:
         llm.generate(prompts(batch), params(32), use_tqdm=False)  # warm-up
-        t = time.perf_counter()
-        llm.generate(prompts(batch), params(1), use_tqdm=False)
-        first = time.perf_counter() - t
+        for prompt in prompts(batch):
+            llm.add_request(prompt, params(args.new_tokens + 8))
+        sched = llm.scheduler
+        while sched.waiting or any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in sched.running):
+            llm.step()  # the prefills
+        llm.step()  # the first decode step: from here on one step is launched while the previous settles
         total.clear()
         calls.clear()
         t = time.perf_counter()
-        llm.generate(prompts(batch), params(1 + args.new_tokens), use_tqdm=False)
-        full = time.perf_counter() - t
-        steps = calls["launch"]
-        wait = total["wait for the GPU (in settle)"]
-        print(f"batch {batch}: {(full - first) / args.new_tokens * 1e3:.3f} ms/token; per step: host busy "
-              f"{(total['engine step'] - wait) / steps * 1e6:.0f} us, waiting for the GPU {wait / steps * 1e6:.0f} us "
-              f"({steps} steps)")
-        for label, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
+        for _ in range(args.new_tokens):
+            llm.step()
+        wall = time.perf_counter() - t
+        steps, timed_parts = calls["launch"], dict(total)
+        while not llm.is_finished():
+            llm.step()
+        wait = timed_parts["wait for the GPU (in settle)"]
+        print(f"batch {batch}: {wall / steps * 1e3:.3f} ms/step; per step: host busy "
+              f"{(timed_parts['engine step'] - wait) / steps * 1e6:.0f} us, waiting for the GPU "
+              f"{wait / steps * 1e6:.0f} us ({steps} decode steps)")
+        for label, seconds in sorted(timed_parts.items(), key=lambda kv: -kv[1]):
             print(f"  {label:30s} {seconds / steps * 1e6:8.1f} us/step")
 
 

@@ -389,17 +389,17 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
     # host time per decode step went mostly to small tensors each pinned and copied (benchmarks/host_time.py): the
     # step's ids, positions and previous-step rows travel in one int64 copy, its attention metadata in one int32 copy
     from nanovllm.utils.context import to_device_packed
-    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128)
-    runner = llm.executor.runner
-    seqs = [llm.add_request(list(range(1, n)), SamplingParams(max_tokens=4)) for n in (20, 5)]
-    llm.step()  # both prefills
-    copies = []
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128) as llm:
+        runner = llm.executor.runner
+        seqs = [llm.add_request(list(range(1, n)), SamplingParams(max_tokens=4)) for n in (20, 5)]
+        llm.step()  # both prefills
+        copies = []
 
-    def to_device(data, dtype):
-        copies.append(dtype)
-        return torch.tensor(data, dtype=dtype)
-    runner._to_device = to_device
-    fb, rows = runner._prepare_decode(seqs, [1, -1])
+        def to_device(data, dtype):
+            copies.append(dtype)
+            return torch.tensor(data, dtype=dtype)
+        runner._to_device = to_device
+        fb, rows = runner._prepare_decode(seqs, [1, -1])
     assert copies == [torch.int32, torch.int64]
     assert fb.input_ids.tolist() == [seq.last_token for seq in seqs] and rows.tolist() == [1, -1]
     assert fb.positions.tolist() == [len(seq) - 1 for seq in seqs]
@@ -412,4 +412,3 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
                              torch.int32)
     assert [p.tolist() for p in parts] == [[1, 2, 3], [], [4], [5, 6]]
     assert all(p.data_ptr() % 16 == 0 for p in parts)
-    llm.exit()

@@ -61,8 +61,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, buckets: list[int]):
-        """These buckets' forward passes and logits, eagerly (for warmup.compile_ahead; the LM head's small-batch
-        kernels run outside the graphs, after each replay)."""
+        """These buckets' forward passes and logits, eagerly (for warmup.compile_ahead; buckets past
+        LOGITS_IN_GRAPH_ROWS run the LM head's kernels outside their graphs, after each replay)."""
         try:
             for bs in buckets:
                 set_context(self.backend.graph_view(self.metadata, bs))
@@ -112,7 +112,8 @@ class DecodeGraphs:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                context: Context) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden rows, None), or (None, logits) from a bucket that computes them."""
+        """(hidden rows, None), or (None, logits) from a bucket that computes them. Both are valid until the next
+        replay of any bucket (the logits are in the graphs' shared memory pool): read them on this stream first."""
         bs = input_ids.size(0)
         bucket = bucket_for(self.buckets, bs)
         self.input_ids[:bs] = input_ids

@@ -283,14 +283,14 @@ class ModelRunner:
         a placeholder on the host) takes it straight from the device."""
         seqs = batch.seqs
         rows = self._previous_rows(seqs, previous) if previous is not None else None
-        if batch.is_prefill:
+        if batch.is_prefill:  # (the engine settles before a prefill: none takes tokens from `previous` today)
             fb = self._prepare_prefill(batch)
             rows_device = self._to_device(rows, torch.int64) if rows is not None else None
         else:
             fb, rows_device = self._prepare_decode(seqs, rows)
         if rows is not None:
-            if rows == list(range(len(rows))):  # every sequence continues in the same row (steady decode)
-                fb.input_ids = previous.tokens[:len(rows)].to(torch.int64)
+            if not batch.is_prefill and rows == list(range(len(rows))):  # each sequence keeps its row (steady
+                fb.input_ids = previous.tokens[:len(rows)].to(torch.int64)  # decode): a view, no kernel
             else:
                 fb.input_ids = torch.where(rows_device >= 0, previous.tokens[rows_device.clamp(min=0)], fb.input_ids)
         if self.rank == 0:
@@ -303,8 +303,8 @@ class ModelRunner:
         set_context(fb.context)
         if not fb.context.is_prefill and self.graphs is not None and self.graphs.can_run(fb.input_ids.size(0)):
             hidden, logits = self.graphs.replay(fb.input_ids, fb.positions, fb.context)
-            if logits is not None:  # (a small bucket's graph computes them; decode has no prompt rows)
-                return logits
+            if logits is not None:  # a small bucket's graph computes them (decode has no prompt rows); they live in
+                return logits  # the graphs' pool until the next replay: this step's sampler is queued before it
         else:
             hidden = self.model(fb.input_ids, fb.positions)
         if fb.prompt_rows is not None:
