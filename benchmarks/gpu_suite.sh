@@ -2,7 +2,7 @@
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
 #   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
-#                                 tp_bench]...
+#                                 tp_bench|tp_profile|dp2|moe_tp2|tp4_bench|dp4|dp2_tp2|multi2|multi4]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
 # (no argument: the single-GPU steps). The tp_* steps need 2 GPUs (nvidia-h200-x2).
@@ -153,16 +153,37 @@ fi
 if has sampling; then
   TAIL=12 step sampling 300 python3 benchmarks/sampling.py
 fi
-if has tp_check; then
+if has multi2 || has tp_check; then
   TAIL=4 step tp_check 300 python3 benchmarks/tp_graph_check.py
 fi
-if has tp_tests; then
+if has multi2 || has tp_tests; then
   step tp_tests 270 python3 -m pytest -q -m gpu tests/test_tensor_parallel.py
 fi
-if has tp_bench; then
+if has multi2 || has tp_bench; then
   step bench_8b_tp1 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --no-tqdm
   step bench_8b_tp2 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --no-tqdm
   step bench_8b_tp2_async 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 2 --async-scheduling --no-tqdm
+fi
+# Issue #17 on 2 GPUs (nvidia-h200-x2): multi2 = tp_check tp_tests tp_bench tp_profile dp2 moe_tp2;
+# on 4 GPUs (nvidia-h200-x4): multi4 = tp4_bench dp4 dp2_tp2. One device call runs 10 minutes at most: split them.
+if has multi2 || has tp_profile; then  # a TP=2 decode step on rank 0's GPU: all-reduce time, kernels, host gaps
+  TAIL=24 step tp2_profile 240 python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-8b --tp 2 \
+    --cases decode:64:100-1024 decode:256:100-1024
+fi
+if has multi2 || has dp2; then  # target: at least 1.9x one engine (bench.py at --dp 1: dp1)
+  step bench_dp2 240 python3 bench.py --dp 2 --no-tqdm
+fi
+if has multi2 || has moe_tp2; then
+  step moe_tp2 200 python3 -m pytest -q -m gpu tests/test_moe.py -k gpu_tensor_parallel
+fi
+if has multi4 || has tp4_bench; then  # target: TP=4 at least 3x TP=1 (Qwen3-8B shape)
+  step bench_8b_tp4 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 4 --no-tqdm
+fi
+if has multi4 || has dp4; then  # target: at least 3.7x one engine
+  step bench_dp4 240 python3 bench.py --dp 4 --no-tqdm
+fi
+if has multi4 || has dp2_tp2; then
+  step bench_8b_dp2_tp2 300 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --dp 2 --tp 2 --no-tqdm
 fi
 printf '\n== summary ==\n'
 printf '%s\n' "${summary[@]}"

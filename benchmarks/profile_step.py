@@ -4,7 +4,7 @@
 
 decode:B:LO-HI: B prompts of random token ids, lengths uniform in LO-HI, are prefilled, `--warm` decode steps run,
 then `--steps` decode steps are profiled. prefill:B:LEN: the prefill steps of B prompts of LEN tokens (max_tokens 1).
-One engine serves all cases.
+One engine serves all cases. With --tp the profiler sees rank 0's GPU (its NCCL all-reduce kernels included).
 Prints wall ms per step (without the profiler), kernels per step, GPU busy per step, and the kernels by time.
 """
 import argparse
@@ -99,11 +99,13 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's GPU is profiled)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = p.parse_args()
     t = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager)
-    print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}")
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
+    print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}, tp={args.tp}")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     for case in args.cases:
         run_case(llm, case, args.warm, args.steps, args.top)
