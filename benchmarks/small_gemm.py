@@ -2,7 +2,7 @@
 the Qwen3-0.6B shapes. CUDA-graph replays of one call per weight copy (copies rotated past the 50 MB L2, as 28
 layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
 
-    python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep] [--chain]
+    python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep] [--swap] [--model 0.6b|8b] [--chain]
 
 --chain: a decode step's linear part as the engine runs it, 28 layers of (qkv, o, norm, gate_up, SiLU-and-mul,
 down, norm) + LM head, one CUDA graph: cuBLAS, the general Triton kernel, the one-row kernel without and with
@@ -25,6 +25,8 @@ HBM_GBPS = 4170.0
 # (name, N, K) of Qwen3-0.6B: qkv, o, gate_up, down, lm_head
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
           ("lm_head", 151936, 1024)]
+SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
+             ("lm_head", 151936, 4096)]  # Qwen3-8B (--model 8b; 36 layers)
 
 
 def time_graph(fn, calls: int) -> float:
@@ -39,13 +41,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--sweep", action="store_true", help="also try other tiles and K splits")
+    p.add_argument("--swap", action="store_true", help="also try the swapped product (y^T = W x^T, gemv.swapped) with "
+                   "other tiles and K splits")
+    p.add_argument("--model", choices=["0.6b", "8b"], default="0.6b", help="the shapes of Qwen3-0.6B or Qwen3-8B")
     p.add_argument("--chain", action="store_true", help="only the layer chain of a decode step (see above)")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.chain:
         return chain(args.rows)
     total = {}
-    for name, n, k in SHAPES:
+    for name, n, k in SHAPES_8B if args.model == "8b" else SHAPES:
         nbytes = n * k * 2
         copies = max(1, triton.cdiv(256 * 2**20, nbytes))
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
@@ -56,10 +61,17 @@ def main():
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, m, err)
             choices = [("cublas", None), ("default", None)]
-            base = gemv.gemv_config(m, n, k)
+            base = gemv.gemv_config(m, n, k, x.device)
+            swap = gemv.swapped(m, n, k, x.device)
             if m > 1:  # the default tile over 1-4 K-splits as launched (default: gemv_split_k's choice)
                 launched = sorted({gemv.k_splits(k, s, base[1])[0] for s in (1, 2, 3, 4)})
-                choices += [(f"split {s}", (*base, s)) for s in launched]
+                choices += [(f"split {s}", (*base, s, swap)) for s in launched]
+                if swap:  # and the tile it replaces, with its default splits
+                    choices.append(("unswapped", (*gemv.gemv_config(m, n, k, x.device, allow_swap=False), 0, False)))
+            if args.swap and m > 1:
+                for bk, st in ((128, 3), (128, 4), (256, 3), (256, 4)):
+                    for s in sorted({gemv.k_splits(k, s, bk)[0] for s in (1, 2, 3, 4, 6, 8)}):
+                        choices.append((f"swap {bk},{st},{s}", (gemv.SWAP_TILE[0], bk, 4, st, s, True)))
             if args.sweep:
                 for bn, bk, w, st in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
                     if bn * bk <= 16384 and (m > 1 or bn <= 16) and (m == 1 or bn >= 16):
@@ -80,17 +92,19 @@ def main():
                     print(f"{name:8s} M={m:2d} {label:16s} {type(e).__name__}: {str(e)[:80]}")
                     continue
                 res.append((label, us))
-            splits = "  ".join(f"{label} {us:6.2f}" for label, us in res if label.startswith("split"))
+            splits = "  ".join(f"{label} {us:6.2f}" for label, us in res
+                               if label.startswith(("split", "swap", "unswapped")))
             cublas, default = res[0][1], res[1][1]
             best = min(res[1:], key=lambda r: r[1])
             total.setdefault(m, [0.0, 0.0, 0.0])
-            mult = 28 if name != "lm_head" else 1
+            mult = (36 if args.model == "8b" else 28) if name != "lm_head" else 1
             for i, v in enumerate((cublas, default, best[1])):
                 total[m][i] += mult * v
             gb = lambda us, nbytes=nbytes: nbytes / us / 1e3  # noqa: E731
             print(f"{name:8s} M={m:2d} cublas {cublas:7.2f} us ({gb(cublas):5.0f} GB/s)  triton default "
                   f"{default:7.2f} us ({gb(default):5.0f})  best {best[0]} {best[1]:7.2f} us ({gb(best[1]):5.0f}) "
-                  f"cfg={base} split_k={gemv.gemv_split_k(m, n, k, *base[:2], x.device)}  {splits}", flush=True)
+                  f"cfg={base}{' swapped' if swap else ''} split_k={gemv.gemv_split_k(m, n, k, *base[:2], x.device)}  "
+                  f"{splits}", flush=True)
         del ws
         torch.cuda.empty_cache()
     print("\n== one decode step's linear layers (28 layers + lm_head), us ==")

@@ -2,11 +2,13 @@
 
 The interpreter must be switched on (TRITON_INTERPRET=1) before triton is first imported, and other tests in
 this process may import triton without it, so the CPU numerics checks run in a fresh interpreter process:
-tests/triton_kernel_checks.py, one pytest subprocess per kernel.
+tests/triton_kernel_checks.py, one pytest subprocess per kernel group, as many at a time as there are cores (each is
+one Python process; on CI's 2 cores the five groups took 5.2 minutes one after another).
 """
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,25 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "fp8", "rope or silu or norm or race or gemv"])
-def test_kernels_interpreted(kernel):
+KERNEL_GROUPS = ["rope or silu or norm or race or gemv", "prefill", "decode", "fp8", "store"]  # longest first
+_interpreted: dict[str, Future] = {}
+
+
+def _interpret(kernel: str) -> tuple[list[str], subprocess.CompletedProcess]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return cmd, subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_GROUPS)
+def test_kernels_interpreted(kernel, request):
+    if not _interpreted:  # the first of these tests starts every selected group's subprocess, a core each
+        selected = [item.callspec.params["kernel"] for item in request.session.items
+                    if getattr(item, "originalname", "") == "test_kernels_interpreted"]
+        pool = ThreadPoolExecutor(max(1, min(len(selected), os.cpu_count() or 1)))
+        _interpreted.update({k: pool.submit(_interpret, k) for k in selected})
+        pool.shutdown(wait=False)
+    cmd, proc = _interpreted[kernel].result()
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
 
 
@@ -224,13 +240,15 @@ def test_elementwise_kernels_compile_for_hopper():
                                                                           "res_out_ptr")} | {"eps": "fp32"},
                             dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import gemv
-    for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048)):  # (the last one split over K)
+    # (o_proj split over K; gate_up and down swapped, down also split)
+    for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048), (16, 6144, 1024), (16, 1024, 3072)):
         block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k)
         _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
                             | {"part_ptr": "*fp32", "count_ptr": "*i32"},
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True, SPLIT=gemv.gemv_split_k(rows, n, k, block_n, block_k,
-                                                                    torch.device("cpu")) > 1),
+                                                                    torch.device("cpu")) > 1,
+                                 SWAP=gemv.swapped(rows, n, k)),
                             num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
@@ -455,16 +473,20 @@ def test_decode_split_lengths():
 
 
 def test_gemv_split_choice():
-    # K-splits only where the columns leave most SMs idle (H200 shape, 132 SMs): Qwen3-0.6B's o_proj and down at
-    # 2-16 rows (4 splits of 512, 3 of 1,024), qkv, gate_up and the LM head not, one row never; the count is the
+    # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns) and down (K
+    # 3,072) at 2-16 rows, not for qkv (64 programs), o_proj (K 2,048), the LM head or one row. K-splits only where
+    # the columns leave most SMs idle: o_proj (4 splits of 512) and the swapped down (4 of 768); the count is the
     # one launched, after rounding to whole tiles
-    from nanovllm.layers.kernels.gemv import gemv_config, gemv_split_k
+    from nanovllm.layers.kernels.gemv import gemv_config, gemv_split_k, swapped
+    shapes = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))
+    cpu = torch.device("cpu")
 
     def split(m, n, k):
-        return gemv_split_k(m, n, k, *gemv_config(m, n, k)[:2], torch.device("cpu"))
-    assert [split(16, n, k) for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))] \
-        == [1, 4, 1, 3, 1]
-    assert split(2, 1024, 3072) == 3 and split(1, 1024, 3072) == 1
+        return gemv_split_k(m, n, k, *gemv_config(m, n, k, cpu)[:2], cpu)
+    assert [swapped(16, n, k, cpu) for n, k in shapes] == [False, False, True, True, False]
+    assert [split(16, n, k) for n, k in shapes] == [1, 4, 1, 4, 1]
+    assert split(2, 1024, 3072) == 4 and split(1, 1024, 3072) == 1
+    assert not swapped(1, 6144, 1024, cpu) and swapped(2, 6144, 1024, cpu)
 
 
 def test_small_batch_linear_dispatch(monkeypatch):

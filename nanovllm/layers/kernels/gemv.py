@@ -2,6 +2,9 @@
 
 At batch 1-16 a linear layer is a read of W. Each program owns BLOCK_N rows of W (output columns) and streams them
 once, with every row of x: one row multiplies and adds on the CUDA cores, 2-16 rows go through one 16-row tl.dot.
+Where that pays (swapped()), 2-16 rows take the product the other way round, y^T = W x^T: 64 rows of W are the
+dot's M, so Triton issues Hopper's wgmma (asynchronous, operands read from shared memory, at most 16 columns of x
+as N) instead of mma.sync, which needs M = 16 on x's side; a program streams 64 rows of W four stages deep.
 On one H200 (benchmarks/small_gemm.py, docs/benchmarks.md) this took a batch-1 decode step's linear layers (Qwen3-0.6B
 shapes) from 994 to 743 us; cuBLAS picks slow kernels for some of these shapes (o_proj, 2048 -> 1024: 13.3 us against
 5-6 here). Where the output columns give fewer programs than half the SMs, K is split over programs (gemv_split_k),
@@ -14,6 +17,8 @@ a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-r
 PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
 program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,13 +32,15 @@ from nanovllm.layers.kernels.scratch import scratch
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
 MAX_SPLIT_K = 4  # K-splits of the general kernel at most (measured: 1-4, benchmarks/small_gemm.py)
+SWAP_TILE = (64, 256, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the swapped product (swapped())
+SWAP_MIN_K = 3072  # ... or where K is this long: cut into K-splits, the few programs still stream long runs
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                  stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
@@ -47,6 +54,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: y^T = W x^T, W's rows as the dot's M (wgmma)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: products summed over K once, at the end
     k_start, k_end = 0, K
     if SPLIT:
@@ -62,10 +70,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         if BLOCK_M == 1:
             acc1 += w.to(tl.float32) * x.to(tl.float32)
+        elif SWAP:
+            acc_t = tl.dot(w, tl.trans(x), acc_t)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, 1)[None, :]
+    if SWAP:
+        acc = tl.trans(acc_t)
     if SPLIT:
         splits = tl.num_programs(1)
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # split 0's [BLOCK_M, BLOCK_N]
@@ -130,11 +142,32 @@ def row_config(n: int, k: int) -> tuple[int, int, int]:
     return max(1, min(16, 16384 // block_k)), block_k, 8
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def swapped(m: int, n: int, k: int, device: torch.device | None = None) -> bool:
+    """2-16 rows as y^T = W x^T on Hopper and later (wgmma; measured on an H200 only) where the 64-row programs
+    still cover half the SMs, or K is long enough to split (SWAP_MIN_K); never for the LM head. At 16 rows on one
+    H200 (small_gemm.py --swap, us), Qwen3-0.6B: gate_up 6.45 -> 6.02 (96 programs), down 7.07 (3 K-splits) / 6.48
+    (unsplit) -> 5.88 (4 K-splits); qkv (64 programs) 4.98 against 5.13, o_proj (K 2,048) 5.47 against 5.22 in 4
+    splits: kept unswapped. Qwen3-8B: qkv 18.70 -> 16.48, o_proj 13.59 -> 12.52, gate_up 62.82 -> 55.38, down
+    33.46 -> 31.49."""
+    programs = triton.cdiv(n, SWAP_TILE[0])
+    return (m > 1 and n < 65536 and _has_wgmma(device or torch.device("cpu"))
+            and (2 * programs > sm_count(device or torch.device("cpu")) or k >= SWAP_MIN_K))
+
+
+@functools.lru_cache
+def _has_wgmma(device: torch.device) -> bool:
+    """Hopper or later; off-GPU (the interpreter's tests) as an H200."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemv_config(m: int, n: int, k: int, device: torch.device | None = None,
+                allow_swap: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best measured on an H200 for the Qwen3-0.6B shapes
-    (benchmarks/small_gemm.py --sweep)."""
+    (benchmarks/small_gemm.py --sweep, --swap)."""
     if m == 1:
         return 8, 512, 4, 3
+    if allow_swap and swapped(m, n, k, device):
+        return SWAP_TILE
     if n >= 65536:  # the LM head: long rows of programs
         return 64, 256, 4, 3
     return (16, 512, 4, 3) if k >= 2048 else (32, 256, 4, 3)
@@ -147,12 +180,16 @@ def k_splits(k: int, want: int, block_k: int) -> tuple[int, int]:
 
 
 def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
-    """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj and down
-    of Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 / 7.70 us unsplit, 5.45 / 6.81 in 4 / 3
-    splits, on one H200 (benchmarks/small_gemm.py); qkv (128 programs) lost with 2 (5.36 -> 6.18 us)."""
+    """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj of
+    Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 us unsplit, 5.45 in 4 splits, on one H200
+    (benchmarks/small_gemm.py; another machine read 5.13 against 5.47); qkv (128 programs) lost with 2 (5.36 ->
+    6.18 us). The swapped product splits less: its down (16 programs of 64 columns) in 4."""
     programs = triton.cdiv(n, block_n)
     if m == 1 or 2 * programs > sm_count(device):
         return 1
+    if block_n == SWAP_TILE[0]:  # up to half the SMs, no further: Qwen3-8B's o_proj (64 programs) at 16 rows took
+        # 12.6 us unsplit, 13.1 in 2 splits and 15.5 in 4; its down (K 12,288) 31.6 / 31.2 / 33.8
+        return k_splits(k, min(MAX_SPLIT_K, max(1, sm_count(device) // 2 // programs)), block_k)[0]
     return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
 
 
@@ -164,8 +201,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
     one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
     norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
-    (y, x + residual). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits]) picks the general
-    kernel's tile, row_kernel and pdl force choices."""
+    (y, x + residual). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the
+    general kernel's tile (K-splits 0: the default count), row_kernel and pdl force choices."""
     m, width = x.shape
     n, k = weight.shape
     if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
@@ -198,9 +235,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
         return (y, res_out) if res_out is not y else y
-    block_n, block_k, warps, stages, *split = config or gemv_config(m, n, k)
-    split_k, k_per_split = k_splits(k, split[0] if split else gemv_split_k(m, n, k, block_n, block_k, x.device),
-                                    block_k)
+    block_n, block_k, warps, stages, *split = config or gemv_config(m, n, k, x.device)
+    swap = m > 1 and (split[1] if len(split) > 1 else config is None and swapped(m, n, k, x.device))
+    split_k, k_per_split = k_splits(k, split[0] if split and split[0] else gemv_split_k(m, n, k, block_n, block_k,
+                                                                                       x.device), block_k)
     block_m = 1 if m == 1 else 16
     if split_k > 1:
         part = scratch(x.device, "gemv_partials", split_k * block_m * n, torch.float32)
@@ -210,5 +248,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, num_warps=warps, num_stages=stages)
+        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, SWAP=swap, num_warps=warps,
+        num_stages=stages)
     return y
