@@ -1,6 +1,6 @@
 """Linear layers at decode batch sizes: cuBLAS (F.linear) against the Triton kernel of layers/kernels/gemv.py, on
-the Qwen3-0.6B shapes. CUDA-graph replays of one call per weight copy (copies rotated past the 50 MB L2, as 28
-layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
+the Qwen3-0.6B shapes (or Qwen3-8B's). CUDA-graph replays of one call per weight copy (copies rotated past the 50
+MB L2, as 28 layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
 
     python benchmarks/small_gemm.py [--rows 1 4 16] [--sweep] [--swap] [--model 0.6b|8b] [--chain]
 
@@ -43,7 +43,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also try other tiles and K splits")
     p.add_argument("--swap", action="store_true", help="also try the swapped product (y^T = W x^T, gemv.swapped) with "
                    "other tiles and K splits")
-    p.add_argument("--model", choices=["0.6b", "8b"], default="0.6b", help="the shapes of Qwen3-0.6B or Qwen3-8B")
+    p.add_argument("--model", choices=["0.6b", "8b"], default="0.6b",
+                   help="the shapes of Qwen3-0.6B or Qwen3-8B (--chain: always 0.6B)")
     p.add_argument("--chain", action="store_true", help="only the layer chain of a decode step (see above)")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -61,13 +62,13 @@ def main():
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, m, err)
             choices = [("cublas", None), ("default", None)]
-            base = gemv.gemv_config(m, n, k, x.device)
-            swap = gemv.swapped(m, n, k, x.device)
+            swap = gemv.swapped(m, n, k, x.device, x.dtype)
+            base = gemv.gemv_config(m, n, k, swap)
             if m > 1:  # the default tile over 1-4 K-splits as launched (default: gemv_split_k's choice)
                 launched = sorted({gemv.k_splits(k, s, base[1])[0] for s in (1, 2, 3, 4)})
                 choices += [(f"split {s}", (*base, s, swap)) for s in launched]
                 if swap:  # and the tile it replaces, with its default splits
-                    choices.append(("unswapped", (*gemv.gemv_config(m, n, k, x.device, allow_swap=False), 0, False)))
+                    choices.append(("unswapped", (*gemv.gemv_config(m, n, k), 0, False)))
             if args.swap and m > 1:
                 for bk, st in ((128, 3), (128, 4), (256, 3), (256, 4)):
                     for s in sorted({gemv.k_splits(k, s, bk)[0] for s in (1, 2, 3, 4, 6, 8)}):
@@ -103,11 +104,11 @@ def main():
             gb = lambda us, nbytes=nbytes: nbytes / us / 1e3  # noqa: E731
             print(f"{name:8s} M={m:2d} cublas {cublas:7.2f} us ({gb(cublas):5.0f} GB/s)  triton default "
                   f"{default:7.2f} us ({gb(default):5.0f})  best {best[0]} {best[1]:7.2f} us ({gb(best[1]):5.0f}) "
-                  f"cfg={base}{' swapped' if swap else ''} split_k={gemv.gemv_split_k(m, n, k, *base[:2], x.device)}  "
-                  f"{splits}", flush=True)
+                  f"cfg={base}{' swapped' if swap else ''} "
+                  f"split_k={gemv.gemv_split_k(m, n, k, *base[:2], x.device, swap)}  {splits}", flush=True)
         del ws
         torch.cuda.empty_cache()
-    print("\n== one decode step's linear layers (28 layers + lm_head), us ==")
+    print(f"\n== one decode step's linear layers ({36 if args.model == '8b' else 28} layers + lm_head), us ==")
     for m, (c, d, b) in total.items():
         print(f"M={m:2d}: cublas {c:8.1f}  triton default {d:8.1f}  best-per-shape {b:8.1f}")
 

@@ -3,12 +3,13 @@
 The interpreter must be switched on (TRITON_INTERPRET=1) before triton is first imported, and other tests in
 this process may import triton without it, so the CPU numerics checks run in a fresh interpreter process:
 tests/triton_kernel_checks.py, one pytest subprocess per kernel group, as many at a time as there are cores (each is
-one Python process; on CI's 2 cores the five groups took 5.2 minutes one after another).
+one Python process; on CI's 2 cores the groups took 5.2 minutes one after another, some checks in two groups).
 """
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,26 +21,56 @@ CHECKS = "tests/triton_kernel_checks.py"
 HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
-KERNEL_GROUPS = ["rope or silu or norm or race or gemv", "prefill", "decode", "fp8", "store"]  # longest first
-_interpreted: dict[str, Future] = {}
+# disjoint -k groups that together select every check in CHECKS, the longest first
+KERNEL_GROUPS = ["rope or silu or norm or race or gemv", "prefill", "decode and not prefill", "store and not rope"]
 
 
-def _interpret(kernel: str) -> tuple[list[str], subprocess.CompletedProcess]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", kernel]
-    return cmd, subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+class _Interpreted:
+    """The selected groups' subprocesses, all queued at once and run as many at a time as there are cores; close()
+    cancels the queued ones and kills the running ones (pytest -x, a failed test, Ctrl-C)."""
+
+    def __init__(self, groups: list[str]):
+        self.lock, self.closed, self.procs = threading.Lock(), False, []
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(max(1, min(len(groups), cores)))
+        self.runs = {group: self.pool.submit(self._run, group) for group in groups}
+
+    def _run(self, group: str) -> tuple[list[str], int, str, str]:
+        cmd = [sys.executable, "-m", "pytest", CHECKS, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", group]
+        with self.lock:
+            if self.closed:
+                return cmd, -1, "", "not run: closed"
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return cmd, proc.returncode, out, err
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            for proc in self.procs:
+                proc.kill()  # (a no-op for one that has ended)
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    groups = [item.callspec.params["kernel"] for item in request.session.items
+              if item.module is request.module and getattr(item, "originalname", "") == "test_kernels_interpreted"]
+    runs = _Interpreted(groups)
+    yield runs
+    runs.close()
 
 
 @pytest.mark.parametrize("kernel", KERNEL_GROUPS)
-def test_kernels_interpreted(kernel, request):
-    if not _interpreted:  # the first of these tests starts every selected group's subprocess, a core each
-        selected = [item.callspec.params["kernel"] for item in request.session.items
-                    if getattr(item, "originalname", "") == "test_kernels_interpreted"]
-        pool = ThreadPoolExecutor(max(1, min(len(selected), os.cpu_count() or 1)))
-        _interpreted.update({k: pool.submit(_interpret, k) for k in selected})
-        pool.shutdown(wait=False)
-    cmd, proc = _interpreted[kernel].result()
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+def test_kernels_interpreted(kernel, interpreted):
+    cmd, returncode, out, err = interpreted.runs[kernel].result()
+    assert returncode == 0, f"{' '.join(cmd)} failed:\n{out[-8000:]}\n{err[-4000:]}"
 
 
 def _compile_for_hopper(fn, pointer_types: dict[str, str], constexprs: dict, **options):
@@ -240,15 +271,16 @@ def test_elementwise_kernels_compile_for_hopper():
                                                                           "res_out_ptr")} | {"eps": "fp32"},
                             dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4)
     from nanovllm.layers.kernels import gemv
-    # (o_proj split over K; gate_up and down swapped, down also split)
+    # (qkv as it was; o_proj, gate_up and down swapped, o_proj and down split over K)
     for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048), (16, 6144, 1024), (16, 1024, 3072)):
-        block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k)
+        swap = gemv.swapped(rows, n, k)
+        block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k, swap)
         _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
                             | {"part_ptr": "*fp32", "count_ptr": "*i32"},
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True, SPLIT=gemv.gemv_split_k(rows, n, k, block_n, block_k,
-                                                                    torch.device("cpu")) > 1,
-                                 SWAP=gemv.swapped(rows, n, k)),
+                                                                    torch.device("cpu"), swap) > 1,
+                                 SWAP=swap),
                             num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
@@ -473,20 +505,24 @@ def test_decode_split_lengths():
 
 
 def test_gemv_split_choice():
-    # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns) and down (K
-    # 3,072) at 2-16 rows, not for qkv (64 programs), o_proj (K 2,048), the LM head or one row. K-splits only where
-    # the columns leave most SMs idle: o_proj (4 splits of 512) and the swapped down (4 of 768); the count is the
-    # one launched, after rounding to whole tiles
+    # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns), o_proj and
+    # down (K 2,048 and 3,072) at 2-16 rows, not for qkv (64 programs, K 1,024), the LM head or one row. K-splits
+    # only where the columns leave most SMs idle: o_proj (4 splits of 512) and down (4 of 768); the count is the one
+    # launched, after rounding to whole tiles
     from nanovllm.layers.kernels.gemv import gemv_config, gemv_split_k, swapped
     shapes = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))
     cpu = torch.device("cpu")
 
     def split(m, n, k):
-        return gemv_split_k(m, n, k, *gemv_config(m, n, k, cpu)[:2], cpu)
-    assert [swapped(16, n, k, cpu) for n, k in shapes] == [False, False, True, True, False]
+        swap = swapped(m, n, k, cpu)
+        return gemv_split_k(m, n, k, *gemv_config(m, n, k, swap)[:2], cpu, swap)
+    assert [swapped(16, n, k, cpu) for n, k in shapes] == [False, True, True, True, False]
     assert [split(16, n, k) for n, k in shapes] == [1, 4, 1, 4, 1]
     assert split(2, 1024, 3072) == 4 and split(1, 1024, 3072) == 1
     assert not swapped(1, 6144, 1024, cpu) and swapped(2, 6144, 1024, cpu)
+    assert not swapped(16, 6144, 1024, cpu, torch.float32)  # (its tile would not fit in shared memory)
+    # Qwen3-8B: every projection swapped, none split (64-96 programs; 4 splits of o_proj took 15.5 us, unsplit 12.6)
+    assert [split(16, n, k) for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == [1] * 4
 
 
 def test_small_batch_linear_dispatch(monkeypatch):

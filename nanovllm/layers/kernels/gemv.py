@@ -33,7 +33,7 @@ MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
 MAX_SPLIT_K = 4  # K-splits of the general kernel at most (measured: 1-4, benchmarks/small_gemm.py)
 SWAP_TILE = (64, 256, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the swapped product (swapped())
-SWAP_MIN_K = 3072  # ... or where K is this long: cut into K-splits, the few programs still stream long runs
+SWAP_MIN_K = 2048  # ... or where K is this long: cut into K-splits, the few programs still stream long runs
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
@@ -76,7 +76,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
             acc = tl.dot(x, tl.trans(w), acc)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, 1)[None, :]
-    if SWAP:
+    elif SWAP:
         acc = tl.trans(acc_t)
     if SPLIT:
         splits = tl.num_programs(1)
@@ -142,31 +142,33 @@ def row_config(n: int, k: int) -> tuple[int, int, int]:
     return max(1, min(16, 16384 // block_k)), block_k, 8
 
 
-def swapped(m: int, n: int, k: int, device: torch.device | None = None) -> bool:
-    """2-16 rows as y^T = W x^T on Hopper and later (wgmma; measured on an H200 only) where the 64-row programs
-    still cover half the SMs, or K is long enough to split (SWAP_MIN_K); never for the LM head. At 16 rows on one
-    H200 (small_gemm.py --swap, us), Qwen3-0.6B: gate_up 6.45 -> 6.02 (96 programs), down 7.07 (3 K-splits) / 6.48
-    (unsplit) -> 5.88 (4 K-splits); qkv (64 programs) 4.98 against 5.13, o_proj (K 2,048) 5.47 against 5.22 in 4
-    splits: kept unswapped. Qwen3-8B: qkv 18.70 -> 16.48, o_proj 13.59 -> 12.52, gate_up 62.82 -> 55.38, down
-    33.46 -> 31.49."""
+def swapped(m: int, n: int, k: int, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """2-16 rows of a 16-bit model as y^T = W x^T on Hopper (wgmma; measured on an H200 only; a float32 tile would
+    overflow shared memory) where the 64-row programs still cover half the SMs, or K is long enough to split
+    (SWAP_MIN_K); never for the LM head. At 16 rows on one H200 (small_gemm.py --swap, us), Qwen3-0.6B: gate_up
+    6.45 -> 6.01-6.02 (96 programs), down 7.07 (3 K-splits) / 6.48 (unsplit) -> 5.88 (4 K-splits), o_proj 5.47 (4
+    K-splits) / 5.13 (unsplit) -> 5.22 (4 K-splits; in the engine at batch 16 1.453 / 1.457 -> 1.445 / 1.434
+    ms/token with it swapped too); qkv (64 programs) 4.98 against 5.13, not swapped. Qwen3-8B: qkv 18.70 -> 16.48,
+    o_proj 13.59 -> 12.52, gate_up 62.82 -> 55.38, down 33.46 -> 31.49."""
+    device = device or torch.device("cpu")
     programs = triton.cdiv(n, SWAP_TILE[0])
-    return (m > 1 and n < 65536 and _has_wgmma(device or torch.device("cpu"))
-            and (2 * programs > sm_count(device or torch.device("cpu")) or k >= SWAP_MIN_K))
+    return (1 < m and n < 65536 and dtype.itemsize == 2 and _has_wgmma(device)
+            and (2 * programs > sm_count(device) or k >= SWAP_MIN_K))
 
 
 @functools.lru_cache
 def _has_wgmma(device: torch.device) -> bool:
-    """Hopper or later; off-GPU (the interpreter's tests) as an H200."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    """Hopper (sm_90; Blackwell has no wgmma, and less shared memory on some parts); off-GPU (the interpreter's
+    tests) as an H200."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
-def gemv_config(m: int, n: int, k: int, device: torch.device | None = None,
-                allow_swap: bool = True) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, swap: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best measured on an H200 for the Qwen3-0.6B shapes
-    (benchmarks/small_gemm.py --sweep, --swap)."""
+    (benchmarks/small_gemm.py --sweep, --swap); swap: the swapped product's (swapped())."""
     if m == 1:
         return 8, 512, 4, 3
-    if allow_swap and swapped(m, n, k, device):
+    if swap:
         return SWAP_TILE
     if n >= 65536:  # the LM head: long rows of programs
         return 64, 256, 4, 3
@@ -179,15 +181,15 @@ def k_splits(k: int, want: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(k, per_split), per_split
 
 
-def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device, swap: bool = False) -> int:
     """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj of
     Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 us unsplit, 5.45 in 4 splits, on one H200
     (benchmarks/small_gemm.py; another machine read 5.13 against 5.47); qkv (128 programs) lost with 2 (5.36 ->
-    6.18 us). The swapped product splits less: its down (16 programs of 64 columns) in 4."""
+    6.18 us). The swapped product splits less: its o_proj and down (16 programs of 64 columns) in 4."""
     programs = triton.cdiv(n, block_n)
     if m == 1 or 2 * programs > sm_count(device):
         return 1
-    if block_n == SWAP_TILE[0]:  # up to half the SMs, no further: Qwen3-8B's o_proj (64 programs) at 16 rows took
+    if swap:  # up to half the SMs, no further: Qwen3-8B's o_proj (64 programs) at 16 rows took
         # 12.6 us unsplit, 13.1 in 2 splits and 15.5 in 4; its down (K 12,288) 31.6 / 31.2 / 33.8
         return k_splits(k, min(MAX_SPLIT_K, max(1, sm_count(device) // 2 // programs)), block_k)[0]
     return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
@@ -235,10 +237,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
         return (y, res_out) if res_out is not y else y
-    block_n, block_k, warps, stages, *split = config or gemv_config(m, n, k, x.device)
-    swap = m > 1 and (split[1] if len(split) > 1 else config is None and swapped(m, n, k, x.device))
-    split_k, k_per_split = k_splits(k, split[0] if split and split[0] else gemv_split_k(m, n, k, block_n, block_k,
-                                                                                       x.device), block_k)
+    if config is None:
+        swap = swapped(m, n, k, x.device, x.dtype)
+        block_n, block_k, warps, stages, split = *gemv_config(m, n, k, swap), 0
+    else:
+        block_n, block_k, warps, stages, split, swap = (*config, 0, False)[:6]
+        swap = swap and m > 1
+    split_k, k_per_split = k_splits(k, split or gemv_split_k(m, n, k, block_n, block_k, x.device, swap), block_k)
     block_m = 1 if m == 1 else 16
     if split_k > 1:
         part = scratch(x.device, "gemv_partials", split_k * block_m * n, torch.float32)
