@@ -1,3 +1,5 @@
+import itertools
+
 import torch
 
 from nanovllm.layers.attention.fp8 import is_fp8
@@ -46,7 +48,8 @@ class AttentionBackend:
                        block_tables: list[list[int]]) -> Context:
         """block_tables: one row per sequence, right-padded with -1. The three go in one copy."""
         slots, lens, tables = to_device_packed(to_device, [slot_mapping, context_lens,
-                                                           [b for row in block_tables for b in row]], torch.int32)
+                                                           list(itertools.chain.from_iterable(block_tables))],
+                                               torch.int32)
         return Context(False, slot_mapping=slots, context_lens=lens,
                        block_tables=tables.view(len(block_tables), len(block_tables[0])))
 
