@@ -237,7 +237,8 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True),
+                     V_TOKEN_MAJOR=v_token_major, PDL=True, SPLIT_IN_BLOCK=batch == 16,
+                     MERGE_G=group, MERGE_S=max(1, min(8, 16 // group))),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,

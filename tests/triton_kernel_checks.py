@@ -559,11 +559,12 @@ def test_decode_splits(num_splits):
     check_decode([1, 600, 0, 37], 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("max_split_tokens", [32, 64, 4096])
-def test_decode_split_tokens(max_split_tokens):
+@pytest.mark.parametrize("block_size,max_split_tokens", [(16, 32), (16, 64), (16, 4096), (128, 64), (128, 128)])
+def test_decode_split_tokens(block_size, max_split_tokens):
     # fixed-length splits: one tile each (a 600-token context takes 19 programs, a 33-token one 2), two tiles, and
-    # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits
-    check_decode([1, 600, 0, 32, 33, 257], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
+    # one split per sequence; contexts of 0, 1, a tile and one past it, on a batch wide enough to need few splits.
+    # 128-token blocks: every split inside one block (its table entry read once, beside the context length)
+    check_decode([1, 600, 0, 32, 33, 257], block_size, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
                  max_split_tokens=max_split_tokens)
 
 

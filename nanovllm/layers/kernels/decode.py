@@ -10,7 +10,11 @@ once. (split_tiles = 0 cuts each sequence into as many equal runs as there are s
 sequence served by one split is written directly; otherwise splits write fp32 partials (running max, sum,
 unnormalised acc) and count themselves in a per-(sequence, kv head) counter: the last to arrive merges them and
 resets the counter (no second kernel: at batch 1 on an H200 the merge kernel took 67 us of a 0.9 ms step, 2.4 us
-a layer for a few kilobytes).
+a layer for a few kilobytes), loading the partials of up to 8 splits at once.
+
+The kernel is short at small batch, so memory round trips in a row cost as much as bandwidth: where a split lies in
+one cache block (the engine's 128-token splits of 256-token blocks) its table entry is read beside the context
+length rather than after it. Both on an H200, 16 x 640 contexts: 22.1 -> 19.3 us a layer (docs/benchmarks.md).
 
 An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head), the scales of one block and
 head contiguous. With a 16-bit q the dots run in float16, whatever q's type: fp8 widens to float16 in one
@@ -43,19 +47,25 @@ QUANT_MAX_SPLITS = 8
 
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
 # Triton specialization of it (1, a multiple of 16, other)
-@triton.jit(do_not_specialize=["stride_table", "split_tiles"])
+@triton.jit(do_not_specialize=["stride_table", "table_width", "split_tiles"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, part_m_ptr, part_l_ptr,
                    part_acc_ptr, count_ptr, context_lens_ptr, table_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
-                   stride_sb, stride_sh, stride_table,
+                   stride_sb, stride_sh, stride_table, table_width,
                    qk_scale, split_tiles,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+                   V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr, SPLIT_IN_BLOCK: tl.constexpr,
+                   MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
     if PDL:  # the o_proj kernel after this one may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
+    if SPLIT_IN_BLOCK:  # the split's tiles lie in one cache block: read its table entry beside the context length,
+        # not after it (one memory round trip less before the first K/V load)
+        first = split * split_tiles * BLOCK_N // BLOCK_SIZE
+        split_block = tl.load(table_row_ptr + first, mask=first < table_width, other=0).to(tl.int64)
     context_len = tl.load(context_lens_ptr + seq)
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
     num_splits = tl.num_programs(2)  # a run-time value: one compiled kernel for every split count
@@ -79,13 +89,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     v_top = tl.full([], 1e-30, dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
+        if SPLIT_IN_BLOCK:
+            block, row = split_block, (offs_n % BLOCK_SIZE).to(tl.int64)
+        else:
+            block, row = kv_rows(table_row_ptr, n0, offs_n, mask_n, 0, True, BLOCK_SIZE, BLOCK_N)
         if V_TOKEN_MAJOR:  # the tile lies in one block: its tokens are contiguous there (lets loads vectorize)
             row = token_major_rows(n0, BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_head_ptr + (block * stride_cb + row * stride_ct)[:, None] + offs_d[None, :],
@@ -138,31 +150,43 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         tl.debug_barrier()  # every thread's partials are written before this program counts itself (release)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last split merges
             tl.store(counter, 0)  # ready for the next launch (nothing else touches it in this one)
-            _merge_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part, used, seq, heads, mask_g, offs_d,
-                          stride_ob, stride_oh, HEAD_DIM, BLOCK_G)
+            _merge_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_head, num_heads, num_splits, used,
+                          stride_ob, stride_oh, GROUP, HEAD_DIM, MERGE_G, MERGE_S)
 
 
 @triton.jit
-def _merge_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part, used, seq, heads, mask_g, offs_d, stride_ob,
-                  stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
-    """out = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m), merged online over the used splits. The
-    partials were written by other SMs: read from L2 (.cg), never a stale L1 line."""
-    m_run = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_G], dtype=tl.float32)
-    out = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, used):
-        m_s = tl.load(part_m_ptr + part + s, mask=mask_g, other=0.0, cache_modifier=".cg")  # finite: a used split
-        l_s = tl.load(part_l_ptr + part + s, mask=mask_g, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_g[:, None],
-                        other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, m_s)
-        a, b = tl.exp2(m_run - m_new), tl.exp2(m_s - m_new)
-        l_run = l_run * a + l_s * b
-        out = out * a[:, None] + acc_s * b[:, None]
+def _merge_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_head, num_heads, num_splits, used, stride_ob,
+                  stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr,
+                  MERGE_S: tl.constexpr):
+    """out = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m), over the used splits, MERGE_S of them per
+    step loaded together (their loads overlap instead of one L2 round trip per split). Rows are the GROUP heads
+    padded to MERGE_G, not the dot's BLOCK_G. The partials were written by other SMs: read from L2 (.cg), never a
+    stale L1 line."""
+    offs_h = tl.arange(0, MERGE_G)
+    offs_s = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    part = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [MERGE_G], split 0
+    m_run = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([MERGE_G], dtype=tl.float32)
+    out = tl.zeros([MERGE_G, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        idx = part[None, :] + (s0 + offs_s)[:, None]  # [MERGE_S, MERGE_G]
+        mask = ((s0 + offs_s) < used)[:, None] & mask_h[None, :]
+        m_s = tl.load(part_m_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=mask[:, :, None],
+                        other=0.0, cache_modifier=".cg")  # [MERGE_S, MERGE_G, HEAD_DIM]
+        # padded heads have no split: keep their maximum finite (0) so no -inf - -inf = nan appears
+        m_new = tl.where(mask_h, tl.maximum(m_run, tl.max(m_s, 0)), 0.0)
+        a, b = tl.exp2(m_run - m_new), tl.exp2(m_s - m_new[None, :])  # b = 0 for splits past used
+        l_run = l_run * a + tl.sum(l_s * b, 0)
+        out = out * a[:, None] + tl.sum(acc_s * b[:, :, None], 0)
         m_run = m_new
     out = out / tl.where(l_run > 0, l_run, 1.0)[:, None]
     tl.store(o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None])
+             out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
@@ -265,6 +289,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
+    # every split inside one cache block (fixed-length splits that divide the block): one table read per program
+    split_in_block = split_tiles > 0 and block_size % (split_tiles * block_n) == 0
+    merge_g = triton.next_power_of_2(group)
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
@@ -272,11 +299,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, block_tables.stride(0),
-        scale * LOG2E, split_tiles,
+        block_tables.size(1), scale * LOG2E, split_tiles,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
+        SPLIT_IN_BLOCK=split_in_block, MERGE_G=merge_g, MERGE_S=max(1, min(8, 16 // merge_g)),
         num_warps=warps, num_stages=stages,
     )
     return out
