@@ -227,9 +227,11 @@ def test_kernels_compile_for_hopper():
                                        (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
                                        (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
-        for v_token_major, batch in ((False, 256), (True, 256)) if kv else ((False, 256), (False, 16)):
-            # (the engine's fp8 V is token-major; 16-bit: the small-batch tile too)
+        for v_token_major, batch in ((False, 256), (True, 256), (True, 16)) if kv else ((False, 256), (False, 16)):
+            # (the engine's fp8 V is token-major; the small-batch tile and split too)
             block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major, batch)
+            split_tiles = decode.decode_splits(batch, 8, 4096, block_n, torch.device("cpu"), quant=kv is not None)[1]
+            merge_g = 1 << (group - 1).bit_length()
             _compile_for_hopper(
                 decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
                 | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
@@ -237,8 +239,8 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True, SPLIT_IN_BLOCK=batch == 16,
-                     MERGE_G=group, MERGE_S=max(1, min(8, 16 // group))),
+                     V_TOKEN_MAJOR=v_token_major, PDL=True, SPLIT_IN_BLOCK=256 % (split_tiles * block_n) == 0,
+                     MERGE_G=merge_g, MERGE_S=max(1, min(8, 16 // merge_g))),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
@@ -552,3 +554,15 @@ def test_gemv_refuses_the_one_row_kernel_for_more_rows():
     from nanovllm.layers.kernels.gemv import gemv
     with pytest.raises(ValueError, match="row_kernel True"):
         gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)
+
+
+def test_rotary_store_refuses_a_v_unlike_k():
+    # the kernel reads every token's V rows (slot -1 too) before it stores: a V with fewer tokens or heads than k
+    # must fail before any launch, not read past its end
+    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
+    caches = [torch.zeros(2, 8, 2, 16) for _ in "kv"]
+    slots = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+    cos_sin = torch.randn(64, 16)
+    with pytest.raises(ValueError, match="shaped like k"):
+        qk_norm_rope_(q, k, torch.arange(4), cos_sin, store=(torch.randn(2, 2, 16), *caches, slots))

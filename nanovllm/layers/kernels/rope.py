@@ -120,11 +120,13 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     norm = q_weight is not None
     v, k_cache, v_cache, slots, *scales = store if store is not None else (k, k, k, positions)
     quant = bool(scales)
-    if store is not None and not (v.stride(-1) == 1 and k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
+    if store is not None and not (v.stride(-1) == 1 and v.shape == k.shape and k_cache.shape == v_cache.shape
+                                  and k_cache.stride(-1) == 1
                                   and slots.numel() == tokens and len(scales) in (0, 2)
                                   and (not quant or scales[0].stride() == scales[1].stride())):
-        raise ValueError("qk_norm_rope_(store=...) takes unit-stride V rows, two caches of one shape (K unit-stride "
-                         "along head_dim), a slot per token and, for fp8, two scale tensors of one layout")
+        raise ValueError("qk_norm_rope_(store=...) takes unit-stride V rows shaped like k, two caches of one shape "
+                         "(K unit-stride along head_dim), a slot per token and, for fp8, two scale tensors of one "
+                         "layout")
     k_scale, v_scale = scales if quant else (k, k)
     num_k_heads = k.size(1)
     if heads_per_program is None:
