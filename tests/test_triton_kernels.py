@@ -231,7 +231,6 @@ def test_kernels_compile_for_hopper():
             # (the engine's fp8 V is token-major; the small-batch tile and split too)
             block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major, batch)
             split_tiles = decode.decode_splits(batch, 8, 4096, block_n, torch.device("cpu"), quant=kv is not None)[1]
-            merge_g = 1 << (group - 1).bit_length()
             _compile_for_hopper(
                 decode._decode_kernel, {n: f"*{t}" for n in ("q_ptr", "o_ptr")}
                 | {n: kv or f"*{t}" for n in ("k_cache_ptr", "v_cache_ptr")}
@@ -239,8 +238,8 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True, SPLIT_IN_BLOCK=256 % (split_tiles * block_n) == 0,
-                     MERGE_G=merge_g, MERGE_S=max(1, min(8, 16 // merge_g))),
+                     V_TOKEN_MAJOR=v_token_major, PDL=True,
+                     **decode.split_constants(group, 256, block_n, split_tiles)),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,

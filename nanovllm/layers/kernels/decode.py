@@ -235,6 +235,15 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     return triton.cdiv(tiles, split_tiles), split_tiles
 
 
+def split_constants(group: int, block_size: int, block_n: int, split_tiles: int) -> dict:
+    """The kernel's split constexprs: SPLIT_IN_BLOCK where every split lies inside one cache block (fixed-length
+    splits that divide the block: one table read per program); the merge's rows (the group padded to a power of
+    two) and how many splits it loads at once (at most 16 rows of HEAD_DIM floats, at most 8 splits)."""
+    merge_g = triton.next_power_of_2(group)
+    return dict(SPLIT_IN_BLOCK=split_tiles > 0 and block_size % (split_tiles * block_n) == 0, MERGE_G=merge_g,
+                MERGE_S=max(1, min(8, 16 // merge_g)))
+
+
 def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major: bool = True,
                    batch: int = 256) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
@@ -289,9 +298,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    # every split inside one cache block (fixed-length splits that divide the block): one table read per program
-    split_in_block = split_tiles > 0 and block_size % (split_tiles * block_n) == 0
-    merge_g = triton.next_power_of_2(group)
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
@@ -304,7 +310,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
-        SPLIT_IN_BLOCK=split_in_block, MERGE_G=merge_g, MERGE_S=max(1, min(8, 16 // merge_g)),
-        num_warps=warps, num_stages=stages,
+        **split_constants(group, block_size, block_n, split_tiles), num_warps=warps, num_stages=stages,
     )
     return out
