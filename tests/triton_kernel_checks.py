@@ -3,6 +3,8 @@
 Run by tests/test_triton_kernels.py in a subprocess with TRITON_INTERPRET=1 (CPU); the case builders and `check_*`
 functions are also used there by the GPU tests. Not collected on its own (no test_ prefix).
 """
+import math
+
 import pytest
 import torch
 import triton
@@ -13,7 +15,7 @@ from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
 from nanovllm.layers.kernels.decode import decode_attention
 from nanovllm.layers.kernels.prefill import prefill_attention
-from nanovllm.layers.kernels.race import _exp1
+from nanovllm.layers.kernels.race import _exp1, _uniforms
 from nanovllm.utils.context import Context
 
 
@@ -308,16 +310,17 @@ def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=N
 
 def check_race(batch: int, vocab: int, dtype, device="cpu"):
     """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too);
-    with a batch under the SM count each row is split into vocabulary chunks (kernels/race.py's race_chunks)."""
+    with a batch under 4 rows a SM each row is split into vocabulary chunks (kernels/race.py's race_chunks)."""
     from nanovllm.layers.kernels.race import race
     from nanovllm.layers.sampler import race_in_log_space
     logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
     noise = torch.empty(batch, vocab, device=device).exponential_(1)
     logits[0, : vocab // 2] = float("-inf")  # a masked half
     logits[-1] = 1.0  # every logit equal: the noise decides
-    if batch > 2:  # an exact tie between two chunks: the first index wins
+    if batch > 2:  # an exact tie between two chunks, and in one lane of the kernel's block: the first index wins
         logits[1], noise[1] = -5.0, 1.0
-        logits[1, 100] = logits[1, vocab - 3] = 4.0
+        for i in (100, 100 + 1024, 100 + 4096, vocab - 3):
+            logits[1, min(i, vocab - 3)] = 4.0
     temps = torch.rand(batch, 1, device=device) + 0.3
     picks = race(logits, temps, noise)
     assert torch.equal(picks, race_in_log_space(logits, temps, noise))
@@ -351,27 +354,30 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
 
 @triton.jit
 def _exp1_probe(seed_ptr, u_ptr, e_ptr):
-    """The race kernel's uniform draws of tokens 0 and 1 for one row key, and its Exp(1) draws from them."""
-    offs = tl.arange(0, 2)
-    u = tl.rand(tl.load(seed_ptr), offs)
+    """The race kernel's uniform draws of tokens 0-7 for one row key, and its Exp(1) draws from them (base 2)."""
+    offs = tl.arange(0, 8)
+    u = _uniforms(tl.load(seed_ptr), 0, 8)
     tl.store(u_ptr + offs, u)
     tl.store(e_ptr + offs, _exp1(u))
 
 
 def check_race_draws_small_uniform(dtype, device="cpu"):
-    """A tiny uniform draw gives a tiny Exp(1) draw, not 0. Row key 13261905 draws U = 52 * 2^-31 for token 1 (found by
-    searching Triton's Philox; the probe pins it): E = 2.4e-8, so token 1 (logit -22) scores -22 + 17.5 and loses to
-    token 0. With E = -log(1 - U) in float32, 1 - U rounds to 1, E = 0 (clamped to 1e-10) scores -22 + 23.03 and
-    wins: a 1e-10 token picked with probability 3e-8 per token and step."""
+    """A tiny uniform draw gives a tiny Exp(1) draw, not 0. Row key 13261905 draws U = 52 * 2^-31 for token 4 (lane 0
+    of Philox counter 1; found by searching Triton's Philox, the probe pins it): E = 2.4e-8, so token 4 (logit -22)
+    scores -22 + 17.5 (in nats) and loses to token 0. With E = -log(1 - U) in float32, 1 - U rounds to 1, E = 0
+    (clamped) scores -22 + 23 or more and wins: a 1e-10 token picked with probability 3e-8 per token and step. The
+    four lanes of one counter are four tokens: no two of the eight draws are equal."""
     from nanovllm.layers.kernels.race import race
     seed = torch.tensor([13261905], dtype=torch.int64, device=device)
-    u, e = (torch.empty(2, device=device) for _ in range(2))
+    u, e = (torch.empty(8, device=device) for _ in range(2))
     _exp1_probe[(1,)](seed, u, e)
-    assert u[1].item() == pytest.approx(52 * 2.0 ** -31, rel=1e-6), u  # else Triton's Philox changed: find another key
-    exact = -torch.log1p(-u.double())
+    assert u[4].item() == pytest.approx(52 * 2.0 ** -31, rel=1e-6), u  # else Triton's Philox changed: find another key
+    assert len(set(u.tolist())) == 8, u
+    exact = -torch.log1p(-u.double()) / math.log(2)
     assert ((e.double() - exact).abs() <= 1e-6 * exact).all(), (e, exact)
-    logits = torch.tensor([[0.0, -22.0]], device=device).to(dtype)
-    assert race(logits, torch.ones(1, 1, device=device), seed=seed).item() == 0
+    logits = torch.full((1, 8), float("-inf"), device=device)
+    logits[0, 0], logits[0, 4] = 0.0, -22.0
+    assert race(logits.to(dtype), torch.ones(1, 1, device=device), seed=seed).item() == 0
 
 
 def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
@@ -480,7 +486,8 @@ def test_rope_store_kernel(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_race_kernel(dtype):
     check_race(4, 9000, dtype)  # split: nine vocabulary chunks per row
-    check_race(140, 5000, dtype)  # one program per row (batch >= the SM count), two blocks each
+    check_race(140, 5000, dtype)  # three chunks a row, two blocks each
+    check_race(528, 4200, dtype)  # one program per row (batch >= 4 x the SM count), two blocks each
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

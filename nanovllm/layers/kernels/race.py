@@ -4,55 +4,82 @@ division and log may differ from torch's in the last bit, so a near-tie can go t
 on the same noise: the distribution is the same.
 
 Without a noise tensor the kernel draws E itself: E = -log(1 - U) (_exp1: accurate for small U too), U uniform in
-[0, 1) from Philox (tl.rand) keyed by the step's seed plus the row, counter the token id. That skips writing and
-reading a [batch, vocab] float32 tensor of draws (at batch 256, 155 MB each way) and its kernel.
+[0, 1) from Philox keyed by the step's seed plus the row; one Philox call gives four uniforms, so token n takes lane
+n % 4 of counter n // 4 (_uniforms). That skips writing and reading a [batch, vocab] float32 tensor of draws (at
+batch 256, 155 MB each way) and its kernel. It then scores in base 2, argmax(logits * log2(e) / T - log2(E *
+log2(e))) (the same order: the natural-log score times log2(e), less a constant), with the GPU's one-instruction
+log2 (lg2.approx, relative error about 2^-22). Each lane of a program's block keeps its own best across the blocks;
+the program reduces them once, at the end. (The race was bound by its arithmetic and per-block reductions, not by
+reading the logits: on one H200, benchmarks/race_time.py, batch 256 242 -> 78 us, batch 16 25 -> 13.)
 
-A small batch splits each row's vocabulary over several programs (one program per row would stream 152k ids on one
-SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The draws do
-not depend on the split (the counter is the token id)."""
+A batch under 4 rows a SM splits each row's vocabulary over several programs (one program per row would stream 152k
+ids on one SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The
+draws do not depend on the split (the counter is the token id // 4)."""
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from nanovllm.layers.kernels.decode import sm_count
 
+LOG2E = tl.constexpr(1.4426950408889634)
+PROGRAMS_PER_SM = 4  # a batch under this many rows a SM splits its rows into vocabulary chunks (race_chunks)
+
 
 @triton.jit
-def _exp1(u):
-    """Exp(1) from U uniform in [0, 1) (tl.rand: multiples of 2^-31): -log(1 - U), with the series of -log1p(-U)
-    for small U. 1 - U in float32 rounds to 1 for U <= 2^-25, so -log(1 - U) would give E = 0 (clamped to 1e-10 in
-    the race: log E = -23) with probability 3e-8 instead of 1e-10: any token within 23 nats of the winner could
-    then win: at 150k tokens, up to one step in 200. U = 0 stands for its interval [0, 2^-31): E = 2^-32."""
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # lg2.approx (the interpreter has no libdevice)
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _exp1(u, FAST: tl.constexpr = False):
+    """Exp(1) from U uniform in [0, 1) (tl.rand4x: multiples of 2^-31), in base-2 units: E * log2(e) = -log2(1 - U),
+    with the series of -log1p(-U) for small U. 1 - U in float32 rounds to 1 for U <= 2^-25, so -log(1 - U) would
+    give E = 0 (clamped in the race: log E = -23) with probability 3e-8 instead of 1e-10: any token within 23 nats
+    of the winner could then win: at 150k tokens, up to one step in 200. U = 0 stands for its interval [0, 2^-31):
+    E = 2^-32."""
     u = tl.maximum(u, 2.3283064365386963e-10)
-    return tl.where(u < 0.0078125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -tl.log(1.0 - u))
+    small = u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))) * LOG2E
+    return tl.where(u < 0.0078125, small, -_log2(1.0 - u, FAST))
+
+
+@triton.jit
+def _uniforms(seed, start, BLOCK: tl.constexpr):
+    """U for tokens [start, start + BLOCK) (start a multiple of 4): token n is lane n % 4 of Philox counter n // 4."""
+    u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+    return tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))
 
 
 @triton.jit
 def _race_kernel(logits_ptr, temps_ptr, noise_ptr, seed_ptr, out_ptr, best_ptr, stride_l, stride_n, vocab, span,
-                 BLOCK: tl.constexpr, DRAW: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK: tl.constexpr, DRAW: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     t = tl.load(temps_ptr + row)
     if DRAW:
-        seed = tl.load(seed_ptr) + row  # one Philox key per row; the counter is the token id
-    best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int64)
+        seed = tl.load(seed_ptr) + row  # one Philox key per row; the counter is the token id // 4
+        scale = LOG2E / t
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's best so far: one reduction at the end
+    best_i = tl.zeros([BLOCK], tl.int32)
     lo = chunk * span
     hi = tl.minimum(lo + span, vocab)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
         x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if DRAW:
-            e = _exp1(tl.rand(seed, offs))
-        else:
-            e = tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=1.0)
-        score = tl.where(mask, x / t - tl.log(tl.maximum(e, 1e-10)), float("-inf"))
-        m = tl.max(score, 0)
-        i = tl.min(tl.where(score == m, offs, vocab), 0).to(tl.int64)
-        take = m > best
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
+        if DRAW:  # base 2 (the module's docstring)
+            score = x * scale - _log2(_exp1(_uniforms(seed, start, BLOCK), FAST), FAST)
+        else:  # the reference's own score: the same picks as race_in_log_space on the same noise
+            score = x / t - tl.log(tl.maximum(tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=1.0), 1e-10))
+        take = mask & (score > best)  # strictly: a lane keeps its first index of a tie
+        best_i = tl.where(take, offs, best_i)
+        best = tl.where(take, score, best)
+    m = tl.max(best, 0)
+    best_i = tl.min(tl.where(best == m, best_i, vocab), 0).to(tl.int64)  # the first index among the lanes' ties
+    best = m
     if SPLIT:
         n = tl.num_programs(1)
         tl.store(best_ptr + row * n + chunk, best)
@@ -76,12 +103,13 @@ def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
 
 
 def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """(chunks per row, tokens per chunk): about two programs per SM in all (so at most 2 x SMs chunks a row),
-    chunks of at least 1,024 ids."""
+    """(chunks per row, tokens per chunk): about four programs per SM in all (so at most 4 x SMs chunks a row),
+    chunks of at least 1,024 ids. On one H200 (benchmarks/race_time.py) four a SM against two: batch 16 15.5 ->
+    13.3 us, batch 64 34.6 -> 27.2, batch 256 (3 chunks against 1) 77.5 -> 78.6."""
     sms = sm_count(device)
-    if batch >= sms:
+    if batch >= PROGRAMS_PER_SM * sms:
         return 1, vocab
-    chunks = min(triton.cdiv(vocab, 1024), triton.cdiv(2 * sms, batch))
+    chunks = min(triton.cdiv(vocab, 1024), triton.cdiv(PROGRAMS_PER_SM * sms, batch))
     span = triton.cdiv(triton.cdiv(vocab, chunks), 1024) * 1024
     return triton.cdiv(vocab, span), span
 
@@ -109,8 +137,8 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
                                   seed if seed is not None else out, idx, best, logits.stride(0),
                                   noise.stride(0) if noise is not None else 0, vocab, span,
                                   BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
-                                  num_warps=4 if split else 8)
+                                  FAST=logits.is_cuda, num_warps=4 if split else 8)
     if split:
-        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=triton.next_power_of_2(2 * sm_count(logits.device)),
-                                    num_warps=1)
+        bound = triton.next_power_of_2(PROGRAMS_PER_SM * sm_count(logits.device))
+        _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=bound, num_warps=1)
     return out
