@@ -300,7 +300,7 @@ def test_elementwise_kernels_compile_for_hopper():
                                 dict(BLOCK=1024 if split else 4096, DRAW=draw, SPLIT=split, FAST=True),
                                 num_warps=4 if split else 8)
     _compile_for_hopper(race._race_pick_kernel, {"best_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"},
-                        dict(CHUNKS=256), num_warps=1)
+                        dict(CHUNKS=1 << (race.PROGRAMS_PER_SM * 132 - 1).bit_length()), num_warps=1)  # an H200's
 
 
 # GPU: the compiled kernels on real shapes, against the torch reference computed in float32.

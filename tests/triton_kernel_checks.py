@@ -332,17 +332,22 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     """The race kernel drawing its own noise: each row's pick follows softmax(logits / T) (counts within 5 standard
     deviations over `rows` rows; the candidates spread over the vocabulary chunks of a small batch), -inf logits
     are never picked, the same seed picks the same tokens whether or not the rows are split."""
-    from nanovllm.layers.kernels.race import race
+    from nanovllm.layers.kernels.decode import sm_count
+    from nanovllm.layers.kernels.race import PROGRAMS_PER_SM, race, race_chunks
     values = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0])
     where = torch.linspace(0, vocab - 1, len(values)).long()
     logits = torch.full((vocab,), float("-inf"))
     logits[where] = values
     logits = logits.to(device=device, dtype=dtype)
-    temps = torch.full((rows, 1), 0.7, device=device)
     seed = torch.tensor([12345], dtype=torch.int64, device=device)
-    picks = race(logits.expand(rows, -1).contiguous(), temps, seed=seed)
-    assert torch.equal(picks, race(logits.expand(rows, -1).contiguous(), temps, seed=seed))
+    dev = torch.device(device)
+    whole = max(rows, PROGRAMS_PER_SM * sm_count(dev))  # rows enough for one program a row
+    assert race_chunks(whole, vocab, dev)[0] == 1 and race_chunks(3, vocab, dev)[0] > 1
+    temps = torch.full((whole, 1), 0.7, device=device)
+    picks = race(logits.expand(whole, -1).contiguous(), temps, seed=seed)
+    assert torch.equal(picks, race(logits.expand(whole, -1).contiguous(), temps, seed=seed))
     assert torch.equal(picks[:3], race(logits.expand(3, -1).contiguous(), temps[:3], seed=seed))  # split rows
+    picks, temps = picks[:rows], temps[:rows]
     assert torch.isin(picks, where.to(device)).all()
     counts = torch.bincount(picks.cpu(), minlength=vocab).double()[where]
     p = torch.softmax(values.double() / 0.7, 0)
@@ -353,26 +358,33 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
 
 
 @triton.jit
-def _exp1_probe(seed_ptr, u_ptr, e_ptr):
-    """The race kernel's uniform draws of tokens 0-7 for one row key, and its Exp(1) draws from them (base 2)."""
+def _exp1_probe(seed_ptr, u_ptr, e_ptr, lanes_ptr):
+    """The race kernel's uniform draws of tokens 0-7 for one row key, its Exp(1) draws from them (base 2), and the
+    four Philox lanes of counters 0 and 1 (lanes_ptr [4, 2])."""
     offs = tl.arange(0, 8)
     u = _uniforms(tl.load(seed_ptr), 0, 8)
     tl.store(u_ptr + offs, u)
     tl.store(e_ptr + offs, _exp1(u))
+    c = tl.arange(0, 2)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), c)
+    tl.store(lanes_ptr + c, u0)
+    tl.store(lanes_ptr + 2 + c, u1)
+    tl.store(lanes_ptr + 4 + c, u2)
+    tl.store(lanes_ptr + 6 + c, u3)
 
 
 def check_race_draws_small_uniform(dtype, device="cpu"):
     """A tiny uniform draw gives a tiny Exp(1) draw, not 0. Row key 13261905 draws U = 52 * 2^-31 for token 4 (lane 0
     of Philox counter 1; found by searching Triton's Philox, the probe pins it): E = 2.4e-8, so token 4 (logit -22)
     scores -22 + 17.5 (in nats) and loses to token 0. With E = -log(1 - U) in float32, 1 - U rounds to 1, E = 0
-    (clamped) scores -22 + 23 or more and wins: a 1e-10 token picked with probability 3e-8 per token and step. The
-    four lanes of one counter are four tokens: no two of the eight draws are equal."""
+    (log E = -inf) and token 4 wins: a 1e-10 token picked with probability 3e-8 per token and step. Token 4k + j
+    draws lane j of counter k."""
     from nanovllm.layers.kernels.race import race
     seed = torch.tensor([13261905], dtype=torch.int64, device=device)
-    u, e = (torch.empty(8, device=device) for _ in range(2))
-    _exp1_probe[(1,)](seed, u, e)
+    u, e, lanes = (torch.empty(8, device=device) for _ in range(3))
+    _exp1_probe[(1,)](seed, u, e, lanes)
     assert u[4].item() == pytest.approx(52 * 2.0 ** -31, rel=1e-6), u  # else Triton's Philox changed: find another key
-    assert len(set(u.tolist())) == 8, u
+    assert torch.equal(u, lanes.view(4, 2).t().reshape(8)), (u, lanes)
     exact = -torch.log1p(-u.double()) / math.log(2)
     assert ((e.double() - exact).abs() <= 1e-6 * exact).all(), (e, exact)
     logits = torch.full((1, 8), float("-inf"), device=device)

@@ -8,13 +8,16 @@ Without a noise tensor the kernel draws E itself: E = -log(1 - U) (_exp1: accura
 n % 4 of counter n // 4 (_uniforms). That skips writing and reading a [batch, vocab] float32 tensor of draws (at
 batch 256, 155 MB each way) and its kernel. It then scores in base 2, argmax(logits * log2(e) / T - log2(E *
 log2(e))) (the same order: the natural-log score times log2(e), less a constant), with the GPU's one-instruction
-log2 (lg2.approx, relative error about 2^-22). Each lane of a program's block keeps its own best across the blocks;
-the program reduces them once, at the end. (The race was bound by its arithmetic and per-block reductions, not by
+log2 (lg2.approx: absolute error about 2^-22 near 1, so E is about 2e-5 off, relatively, where the series for
+small U hands over). Each lane of a program's block keeps its own best across the blocks; the program reduces
+them once, at the end. (The race was bound by its arithmetic and per-block reductions, not by
 reading the logits: on one H200, benchmarks/race_time.py, batch 256 242 -> 78 us, batch 16 25 -> 13.)
 
 A batch under 4 rows a SM splits each row's vocabulary over several programs (one program per row would stream 152k
 ids on one SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The
 draws do not depend on the split (the counter is the token id // 4)."""
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +41,8 @@ def _log2(x, FAST: tl.constexpr):
 def _exp1(u, FAST: tl.constexpr = False):
     """Exp(1) from U uniform in [0, 1) (tl.rand4x: multiples of 2^-31), in base-2 units: E * log2(e) = -log2(1 - U),
     with the series of -log1p(-U) for small U. 1 - U in float32 rounds to 1 for U <= 2^-25, so -log(1 - U) would
-    give E = 0 (clamped in the race: log E = -23) with probability 3e-8 instead of 1e-10: any token within 23 nats
-    of the winner could then win: at 150k tokens, up to one step in 200. U = 0 stands for its interval [0, 2^-31):
-    E = 2^-32."""
+    give E = 0 (log E = -inf: that token wins outright) with probability 3e-8 instead of 1e-10: at 150k tokens, up to
+    one step in 200. U = 0 stands for its interval [0, 2^-31): E = 2^-32."""
     u = tl.maximum(u, 2.3283064365386963e-10)
     small = u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))) * LOG2E
     return tl.where(u < 0.0078125, small, -_log2(1.0 - u, FAST))
@@ -98,7 +100,7 @@ def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
     s = tl.load(best_ptr + row * chunks + c, mask=mask, other=float("-inf"))
     m = tl.max(s, 0)
     first = tl.min(tl.where((s == m) & mask, c, CHUNKS), 0)
-    first = tl.where(first < chunks, first, 0)  # a row of NaN scores: no chunk equals the max
+    first = tl.where(first < chunks, first, 0)  # (a guard: no chunk equals the max only if a best were NaN)
     tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + first))
 
 
@@ -137,7 +139,8 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
                                   seed if seed is not None else out, idx, best, logits.stride(0),
                                   noise.stride(0) if noise is not None else 0, vocab, span,
                                   BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
-                                  FAST=logits.is_cuda, num_warps=4 if split else 8)
+                                  FAST=logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                  num_warps=4 if split else 8)
     if split:
         bound = triton.next_power_of_2(PROGRAMS_PER_SM * sm_count(logits.device))
         _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=bound, num_warps=1)
