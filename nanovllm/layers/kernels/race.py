@@ -27,6 +27,7 @@ from nanovllm.layers.kernels.decode import sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 PROGRAMS_PER_SM = 4  # a batch under this many rows a SM splits its rows into vocabulary chunks (race_chunks)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it at import too): no libdevice
 
 
 @triton.jit
@@ -139,8 +140,7 @@ def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor |
                                   seed if seed is not None else out, idx, best, logits.stride(0),
                                   noise.stride(0) if noise is not None else 0, vocab, span,
                                   BLOCK=1024 if split else 4096, DRAW=noise is None, SPLIT=split,
-                                  FAST=logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                  num_warps=4 if split else 8)
+                                  FAST=logits.is_cuda and not INTERPRETED, num_warps=4 if split else 8)
     if split:
         bound = triton.next_power_of_2(PROGRAMS_PER_SM * sm_count(logits.device))
         _race_pick_kernel[(batch,)](best, idx, out, chunks, CHUNKS=bound, num_warps=1)
