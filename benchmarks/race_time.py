@@ -33,6 +33,8 @@ def main():
     p.add_argument("--against", nargs="+", default=[], help="other race.py files to time alternately with this one")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the race kernel runs on CPU only under TRITON_INTERPRET=1, too slowly to time)")
     versions = [("this", current)] + [(os.path.basename(path), load(path)) for path in args.against]
     torch.manual_seed(0)
     seed = torch.tensor([1234], dtype=torch.int64, device="cuda")
