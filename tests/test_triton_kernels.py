@@ -22,7 +22,8 @@ HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
 # disjoint -k groups that together select every check in CHECKS, the longest first
-KERNEL_GROUPS = ["rope or silu or norm or race or gemv", "prefill", "decode and not prefill", "store and not rope"]
+KERNEL_GROUPS = ["rope or silu or norm or race or gemv or penalties", "prefill", "decode and not prefill",
+                 "store and not rope"]
 
 
 class _Interpreted:
@@ -293,12 +294,24 @@ def test_elementwise_kernels_compile_for_hopper():
             _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"eps": "fp32"},
                                 dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=True, GATED=gated, NORM=normed,
                                      ADD=add, PDL=pdl), num_warps=warps, launch_pdl=pdl)
-    for draw in (False, True):
+    for draw, keyed in ((False, False), (True, False), (True, True)):
         for split in (False, True):
             _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
-                                                    "seed_ptr": "*i64", "out_ptr": "*i64", "best_ptr": "*fp32"},
-                                dict(BLOCK=1024 if split else 4096, DRAW=draw, SPLIT=split, FAST=True),
+                                                    "seed_ptr": "*i64", "keys_ptr": "*i64", "streams_ptr": "*i64",
+                                                    "out_ptr": "*i64", "best_ptr": "*fp32"},
+                                dict(BLOCK=1024 if split else 4096, DRAW=draw, KEYED=keyed, SPLIT=split, FAST=True),
                                 num_warps=4 if split else 8)
+    for keyed in (False, True):
+        for ids in (False, True):
+            _compile_for_hopper(race._draws_kernel, {"seed_ptr": "*i64", "keys_ptr": "*i64", "streams_ptr": "*i64",
+                                                     "ids_ptr": "*i64", "out_ptr": "*fp32"},
+                                dict(KEYED=keyed, IDS=ids, BLOCK=1024, FAST=True), num_warps=4)
+    from nanovllm.layers.kernels import penalties
+    for rep, add in ((True, False), (False, True), (True, True)):
+        _compile_for_hopper(penalties._penalties_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "rows_ptr": "*i64",
+                                                          "seen_ptr": "*u8", "counts_ptr": "*fp32", "rep_ptr": "*fp32",
+                                                          "pres_ptr": "*fp32", "freq_ptr": "*fp32"},
+                            dict(REP=rep, ADD=add, BLOCK=penalties.BLOCK), num_warps=8)
     _compile_for_hopper(race._race_pick_kernel, {"best_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"},
                         dict(CHUNKS=triton.next_power_of_2(race.PROGRAMS_PER_SM * race.sm_count(torch.device("cpu")))),
                         num_warps=1)  # the engine's bound (an H200's SMs off-GPU)
@@ -441,6 +454,23 @@ def test_gpu_rope_and_silu(tokens, norm):
     if tokens == 1:
         from tests.triton_kernel_checks import check_race_draws
         check_race_draws(torch.bfloat16, device="cuda", rows=20000, vocab=151936)
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_kernels():
+    """Seeded rows keyed in the race and in exp_draws, the sampler's seeded rows, the penalties kernel: Qwen3's
+    vocabulary, bf16 logits."""
+    from tests.triton_kernel_checks import (
+        check_penalties,
+        check_race_keys,
+        check_race_keys_follow_softmax,
+        check_sampler_seeded_rows,
+    )
+    check_race_keys(torch.bfloat16, device="cuda", vocab=151936)
+    check_race_keys_follow_softmax(device="cuda", rows=20000)
+    check_sampler_seeded_rows(device="cuda", vocab=151936)
+    for batch in (1, 256):
+        check_penalties(batch, 151936, device="cuda", exact=False)
 
 
 @pytest.mark.gpu

@@ -392,6 +392,132 @@ def check_race_draws_small_uniform(dtype, device="cpu"):
     assert race(logits.to(dtype), torch.ones(1, 1, device=device), seed=seed).item() == 0
 
 
+def check_race_keys(dtype, device="cpu", vocab: int = 5000):
+    """Seeded rows: keyed by their own key and stream, their picks do not depend on the batch, its step seed or the
+    vocabulary split; unseeded rows (stream 0) pick as without keys; exp_draws gives the kernel's own draws, also
+    gathered by token id."""
+    from nanovllm.layers.kernels.race import exp_draws, race
+    from nanovllm.layers.sampler import race_in_log_space
+    logits = (torch.randn(6, vocab, device=device) * 2).to(dtype)
+    temps = torch.rand(6, 1, device=device) + 0.5
+    seed = torch.tensor([777], dtype=torch.int64, device=device)
+    keys = torch.tensor([0, 5, -3, 0, 2**63 - 1, 5], dtype=torch.int64, device=device)
+    streams = torch.tensor([0, 9, 1, 0, 4, 10], dtype=torch.int64, device=device)
+    picks = race(logits, temps, seed=seed, keys=keys, streams=streams)
+    plain = race(logits, temps, seed=seed)
+    unseeded = streams == 0
+    assert torch.equal(picks[unseeded], plain[unseeded])
+    for row in (1, 2, 4, 5):  # alone, with another step seed: the same token
+        alone = race(logits[row:row + 1], temps[row:row + 1], seed=seed + 99, keys=keys[row:row + 1],
+                     streams=streams[row:row + 1])
+        assert alone.item() == picks[row].item(), row
+    # (the kernel scores in base 2, the reference in nats: a near-tie could differ; none does on this data)
+    noise = exp_draws(seed, (6, vocab), keys=keys, streams=streams)
+    assert torch.equal(picks, race_in_log_space(logits, temps, noise))
+    assert torch.equal(plain, race_in_log_space(logits, temps, exp_draws(seed, (6, vocab))))
+    ids = torch.stack([torch.randperm(vocab, device=device)[:300] for _ in range(6)])
+    assert torch.equal(exp_draws(seed, (6, 300), ids, keys, streams), noise.gather(1, ids))
+    # one key: every stream its own draws; the same stream the same draws
+    flat = torch.zeros(1, vocab, device=device, dtype=dtype)
+    one = dict(keys=torch.tensor([5], device=device), streams=torch.tensor([9], device=device))
+    firsts = {race(flat, temps[:1], seed=seed, keys=one["keys"], streams=one["streams"] + s).item() for s in range(8)}
+    assert len(firsts) == 8, firsts
+    with pytest.raises(ValueError, match="both or neither"):
+        race(logits, temps, seed=seed, keys=keys)
+    with pytest.raises(ValueError, match="int64"):
+        race(logits, temps, seed=seed, keys=keys.int(), streams=streams)
+
+
+def check_race_keys_follow_softmax(device="cpu", rows: int = 300):
+    """One key over `rows` streams (a seeded request's positions): the picks follow softmax(logits / T)."""
+    from nanovllm.layers.kernels.race import race
+    values = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    vocab = 600
+    where = torch.linspace(0, vocab - 1, len(values)).long()
+    logits = torch.full((rows, vocab), float("-inf"), device=device)
+    logits[:, where.to(device)] = values.to(device)
+    temps = torch.full((rows, 1), 0.8, device=device)
+    seed = torch.tensor([1], dtype=torch.int64, device=device)
+    keys = torch.full((rows,), 4242, dtype=torch.int64, device=device)
+    streams = torch.arange(1, rows + 1, device=device)
+    picks = race(logits, temps, seed=seed, keys=keys, streams=streams).cpu()
+    counts = torch.bincount(picks, minlength=vocab).double()[where]
+    p = torch.softmax(values.double() / 0.8, 0)
+    assert counts[4] == 0 and counts.sum() == rows
+    assert ((counts - rows * p).abs() <= 5 * (rows * p * (1 - p)).sqrt() + 1).all(), (counts, rows * p)
+    same = race(logits, temps, seed=seed, keys=keys, streams=torch.full_like(streams, 3)).cpu()
+    assert (same == same[0]).all()
+
+
+class _Seq:
+    """What Sampler.prepare and its processors read of a sequence."""
+
+    def __init__(self, sp, num_tokens: int, sample_index: int = 0, seq_id: int = 0):
+        self.sampling_params, self.sample_index, self.seq_id = sp, sample_index, seq_id
+        self.token_ids = list(range(num_tokens))
+        self.num_tokens = self.num_prompt_tokens = num_tokens
+        self.num_completion_tokens, self.is_finished, self.generator = 0, False, None
+
+
+def check_sampler_seeded_rows(device="cpu", vocab: int = 3000):
+    """The sampler with the race kernel: a seeded row's token is the same alone and in a batch whatever the other
+    rows ask for (top-k / top-p or not, another seed, greedy), on both paths (the kernel's race; exp_draws for the
+    filtered path); its sample index and its position change it."""
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.sampling_params import SamplingParams
+    sampler = Sampler(vocab, device=device)
+    sampler.use_compiled(True)
+    to_device = lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)  # noqa: E731
+    logits = torch.randn(4, vocab, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=8, top_p=0.8)]
+
+    def pick(rows, seeded, positions, sample_index=0):
+        """The seeded row's token; it always reads logits[0], the other row logits[1]."""
+        seqs = [_Seq(sp, 10, sample_index if sp is seeded else 0, i) for i, sp in enumerate(rows)]
+        st = sampler.prepare(seqs, [True] * len(rows), to_device, positions)
+        at = rows.index(seeded)
+        batch = logits[:1] if len(rows) == 1 else logits[:2] if at == 0 else logits[[1, 0]]
+        return sampler(batch, st, gen)[0][at].item()
+    for seeded in (SamplingParams(temperature=1.0, seed=123), SamplingParams(temperature=1.0, seed=123, top_k=40),
+                   SamplingParams(temperature=1.0, seed=123, top_p=0.9)):
+        alone = [pick([seeded], seeded, [p]) for p in range(10, 30)]
+        assert len(set(alone)) > 3, alone  # every position its own draws
+        for other in others:
+            assert [pick([other, seeded], seeded, [5, p]) for p in range(10, 30)] == alone, other
+        assert [pick([seeded, others[1]], seeded, [p, 5]) for p in range(10, 30)] == alone
+        assert [pick([seeded], seeded, [p], sample_index=1) for p in range(10, 30)] != alone
+
+
+def check_penalties(batch: int, vocab: int, device="cpu", exact: bool = True):
+    """The penalties kernel against the processor's torch form: repetition alone, presence and frequency alone, all
+    three; rows reading scattered lines of the history; positive, negative and -inf logits."""
+    from nanovllm.layers.kernels.penalties import apply_penalties
+    from nanovllm.layers.logits_processors import PenaltiesProcessor
+    processor = PenaltiesProcessor(vocab, torch.device(device))
+    lines = batch + 5
+    processor.seen = torch.rand(lines, vocab, device=device) < 0.3
+    processor.counts = torch.randint(0, 4, (lines, vocab), device=device).float() * processor.seen
+    logits = torch.randn(batch, vocab, device=device) * 4
+    logits[0, :7] = float("-inf")
+    rows = torch.randperm(lines, device=device)[:batch]
+    rep = torch.rand(batch, device=device) + 0.6
+    rep[-1] = 1.0 if batch > 1 else 1.5  # (a row without repetition penalty beside rows with one)
+    pres, freq = torch.rand(batch, device=device) * 2 - 1, torch.rand(batch, device=device) * 2 - 1
+    for state in ({"repetition": rep}, {"presence": pres, "frequency": freq},
+                  {"repetition": rep, "presence": pres, "frequency": freq}):
+        state["lines"] = rows
+        ref = processor.apply_torch(logits, state)
+        out = apply_penalties(logits, rows, processor.seen, processor.counts, state.get("repetition"),
+                              state.get("presence"), state.get("frequency"))
+        if exact or "presence" not in state:  # (the division rounds as torch's: tl.div_rn)
+            assert torch.equal(out, ref), (out - ref).abs().max()
+        else:  # the GPU kernel may fuse a multiply and a subtraction
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+        assert not torch.equal(out, logits)
+
+
 def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
     residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
@@ -508,6 +634,23 @@ def test_race_kernel_draws(dtype):
     # the other (a row is one program, slow in the interpreter: 1,000 rows took 63 s)
     check_race_draws(dtype, rows=1000 if dtype == torch.float32 else 200)
     check_race_draws_small_uniform(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_race_kernel_keys(dtype):
+    check_race_keys(dtype)
+
+
+def test_race_keys_follow_softmax():
+    check_race_keys_follow_softmax()
+
+
+def test_race_sampler_seeded_rows():
+    check_sampler_seeded_rows()
+
+
+def test_penalties_kernel():
+    check_penalties(5, 3000)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

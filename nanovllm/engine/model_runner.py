@@ -294,7 +294,7 @@ class ModelRunner:
             else:
                 fb.input_ids = torch.where(rows_device >= 0, previous.tokens[rows_device.clamp(min=0)], fb.input_ids)
         if self.rank == 0:
-            fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device)
+            fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device, batch.out_index)
         return fb
 
     @torch.inference_mode()

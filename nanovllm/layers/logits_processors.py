@@ -53,73 +53,87 @@ class MinTokensProcessor(LogitsProcessor):
 class PenaltiesProcessor(LogitsProcessor):
     """Repetition (HF/CTRL, on prompt and output tokens), presence and frequency (OpenAI, on output tokens).
 
-    The token history stays on the device between steps: each penalized sequence owns a row of two
-    [rows, vocab] buffers (tokens seen in prompt or output; counts of output tokens), filled once from the
-    sequence's tokens and then updated with one scatter per step for the whole batch."""
+    The token history stays on the device between steps: each penalized sequence owns a line of two
+    [lines, vocab] buffers (tokens seen in prompt or output; counts of output tokens), filled once from the
+    sequence's tokens and then updated with one scatter per step for the whole batch. Nothing here waits for the
+    device (no boolean indexing, no blocking copies), so under async scheduling the host prepares the next step
+    while this one runs. On CUDA the penalties are one Triton pass (layers/kernels/penalties.py)."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.rows: dict[int, tuple[int, object]] = {}  # seq_id -> (row, sequence)
-        self.free_rows: list[int] = []
+        self.lines: dict[int, tuple[int, object]] = {}  # seq_id -> (line, sequence)
+        self.free_lines: list[int] = []
+        self.fused = False
+
+    def use_compiled(self, enabled: bool = True):
+        self.fused = enabled
 
     def _grow(self):
         n = max(16, self.seen.size(0))
-        self.free_rows += range(self.seen.size(0), self.seen.size(0) + n)
+        self.free_lines += range(self.seen.size(0), self.seen.size(0) + n)
         self.seen = torch.cat([self.seen, torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)])
         self.counts = torch.cat([self.counts, torch.zeros(n, self.vocab_size, device=self.device)])
 
-    def _row(self, seq) -> int:
-        if seq.seq_id in self.rows:
-            return self.rows[seq.seq_id][0]
-        if not self.free_rows:
+    def _line(self, seq, to_device: ToDevice) -> int:
+        if seq.seq_id in self.lines:
+            return self.lines[seq.seq_id][0]
+        if not self.free_lines:
             self._grow()
-        row = self.free_rows.pop()
-        self.rows[seq.seq_id] = (row, seq)
-        self.seen[row].zero_()
-        self.counts[row].zero_()
+        line = self.free_lines.pop()
+        self.lines[seq.seq_id] = (line, seq)
+        self.seen[line].zero_()
+        self.counts[line].zero_()
         known = [t for t in seq.token_ids if t >= 0]  # not async scheduling's placeholders
-        self.seen[row, torch.tensor(known, dtype=torch.long, device=self.device)] = True
-        completion = torch.tensor([t for t in seq.token_ids[seq.num_prompt_tokens:] if t >= 0], dtype=torch.long,
-                                  device=self.device)
-        self.counts[row].index_add_(0, completion, torch.ones(completion.numel(), device=self.device))
-        return row
+        if known:
+            self.seen[line, to_device(known, torch.int64)] = True
+        completion = [t for t in seq.token_ids[seq.num_prompt_tokens:] if t >= 0]
+        if completion:
+            self.counts[line].index_add_(0, to_device(completion, torch.int64),
+                                         torch.ones(len(completion), device=self.device))
+        return line
 
     def prepare(self, seqs, sampled, to_device):
         sps = [seq.sampling_params for seq in seqs]
         if not any(sp.needs_penalties for sp in sps):
             return None
-        for seq_id, (row, seq) in list(self.rows.items()):  # rows of finished sequences come back
+        for seq_id, (line, seq) in list(self.lines.items()):  # lines of finished sequences come back
             if seq.is_finished:
-                del self.rows[seq_id]
-                self.free_rows.append(row)
-        rows = torch.tensor([self._row(seq) for seq in seqs], device=self.device)
-        state = {"rows": rows, "sampled": to_device(sampled, torch.bool)}
+                del self.lines[seq_id]
+                self.free_lines.append(line)
+        state = {"lines": to_device([self._line(seq, to_device) for seq in seqs], torch.int64),
+                 "sampled": to_device(sampled, torch.bool)}
         if any(sp.repetition_penalty != 1 for sp in sps):
             state["repetition"] = to_device([sp.repetition_penalty for sp in sps], torch.float32)
-            state["seen"] = self.seen[rows]
         if any(sp.presence_penalty or sp.frequency_penalty for sp in sps):
             state["presence"] = to_device([sp.presence_penalty for sp in sps], torch.float32)
             state["frequency"] = to_device([sp.frequency_penalty for sp in sps], torch.float32)
-            state["counts"] = self.counts[rows]
         return state
 
     def apply(self, logits, state):
+        if self.fused:
+            from nanovllm.layers.kernels.penalties import apply_penalties
+            return apply_penalties(logits, state["lines"], self.seen, self.counts, state.get("repetition"),
+                                   state.get("presence"), state.get("frequency"))
+        return self.apply_torch(logits, state)
+
+    def apply_torch(self, logits, state):
+        lines = state["lines"]
         if "repetition" in state:  # shrink positive logits, grow negative ones, of every token seen so far
-            penalty = torch.where(state["seen"], state["repetition"].unsqueeze(1), 1.0)
+            penalty = torch.where(self.seen[lines], state["repetition"].unsqueeze(1), 1.0)
             logits = torch.where(logits > 0, logits / penalty, logits * penalty)
         if "presence" in state:
-            counts = state["counts"]
+            counts = self.counts[lines]
             logits = logits - state["presence"].unsqueeze(1) * (counts > 0) - state["frequency"].unsqueeze(1) * counts
         return logits
 
     def update(self, state, tokens):
-        """Record the tokens of the rows that really sampled (not a chunk of a longer prefill)."""
-        sampled = state["sampled"]
-        rows, tokens = state["rows"][sampled], tokens[sampled]
-        self.seen[rows, tokens] = True
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
+        """Record the tokens of the rows that really sampled (not a chunk of a longer prefill). Each sequence has
+        one row, so no (line, token) pair repeats; a row that did not sample adds nothing."""
+        lines, sampled = state["lines"], state["sampled"]
+        self.seen[lines, tokens] = self.seen[lines, tokens] | sampled
+        self.counts.index_put_((lines, tokens), sampled.to(self.counts.dtype), accumulate=True)
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Batched sampling: every option is applied to the whole batch with tensors, no per-row Python
-loops except for the noise of seeded requests."""
+"""Batched sampling: every option is applied to the whole batch with tensors. On CUDA every draw comes from the race
+kernel's Philox (layers/kernels/race.py), a seeded request's from its own key; on CPU a seeded request draws from its
+own torch.Generator, one row at a time."""
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +32,12 @@ class SamplingTensors:
     top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
     processors: list[tuple[LogitsProcessor, object]] = field(default_factory=list)  # with this step's state
-    generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators
+    generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators (CPU)
+    # CUDA, when some row is seeded: each row's Philox key and stream (kernels/race.py). A seeded row's key is its
+    # seed and its stream the position its token takes + 1, so its draws depend on neither the batch nor the step;
+    # stream 0: an unseeded row, keyed by the step's seed and its row.
+    keys: torch.Tensor | None = None  # [batch] int64
+    streams: torch.Tensor | None = None  # [batch] int64
     num_logprobs: int = -1  # top-k logprobs to return (-1: none)
 
 
@@ -44,7 +51,8 @@ class Sampler(nn.Module):
     def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu"):
         super().__init__()
         self.race_fn = race_in_log_space
-        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed
+        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed (CUDA)
+        self.draws_fn = None  # that noise as a tensor, for the filtered path (kernels/race.py's exp_draws)
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
@@ -53,16 +61,21 @@ class Sampler(nn.Module):
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
 
     def use_compiled(self, enabled: bool = True):
-        """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py)."""
+        """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py), the penalties in
+        one pass (layers/kernels/penalties.py)."""
         if enabled:
-            from nanovllm.layers.kernels.race import race
-            self.race_fn, self.race_draws = race, True
+            from nanovllm.layers.kernels.race import exp_draws, race
+            self.race_fn, self.race_draws, self.draws_fn = race, True, exp_draws
         else:
-            self.race_fn, self.race_draws = race_in_log_space, False
+            self.race_fn, self.race_draws, self.draws_fn = race_in_log_space, False, None
+        self.penalties.use_compiled(enabled)
 
-    def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice) -> SamplingTensors:
+    def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice,
+                positions: list[int] | None = None) -> SamplingTensors:
         """Per-row tensors; the optional ones only when some row needs them. sampled[i] is False for a chunk of a
-        longer prefill: its token is thrown away, so it must not use up a seeded request's draws."""
+        longer prefill: its token is thrown away, so it must not use up a seeded request's draws. positions[i]:
+        where row i's token goes in its sequence (the scheduler's out_index; default: the sequence's length), the
+        stream of a seeded row's draws on CUDA."""
         sps = [seq.sampling_params for seq in seqs]
         vocab = self.vocab_size
         st = SamplingTensors(to_device([sp.temperature for sp in sps], torch.float32),
@@ -80,12 +93,21 @@ class Sampler(nn.Module):
             state = processor.prepare(seqs, sampled, to_device)
             if state is not None:
                 st.processors.append((processor, state))
-        for i, (seq, sp, keep) in enumerate(zip(seqs, sps, sampled)):
-            if sp.seed is not None and not sp.greedy and keep:
+        seeded = [i for i, (sp, keep) in enumerate(zip(sps, sampled)) if sp.seed is not None and not sp.greedy and keep]
+        if seeded and self.race_draws:  # sample i of n is keyed by seed + i (as a 64-bit two's complement)
+            keys, streams = [0] * len(seqs), [0] * len(seqs)
+            for i in seeded:
+                key = sample_seed(sps[i].seed, seqs[i].sample_index)
+                keys[i] = key - (1 << 64) if key >= 1 << 63 else key
+                streams[i] = 1 + (positions[i] if positions is not None else seqs[i].num_tokens)
+            st.keys, st.streams = to_device(keys, torch.int64), to_device(streams, torch.int64)
+        elif seeded:
+            for i in seeded:
+                seq = seqs[i]
                 if seq.generator is None:  # sample i of n draws from seed + i
                     seq.generator = torch.Generator(device=self.device).manual_seed(
-                        sample_seed(sp.seed, seq.sample_index))
-                st.generators = (st.generators or []) + [(i, seq.generator)]
+                        sample_seed(sps[i].seed, seq.sample_index))
+            st.generators = [(i, seqs[i].generator) for i in seeded]
         st.num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
         return st
 
@@ -107,11 +129,17 @@ class Sampler(nn.Module):
             tokens = logits.argmax(-1)
         else:
             temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
-            if filtered:
-                tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator)
-            elif self.race_draws and not st.generators:  # seeded rows need their own generators' draws
+            # the kernels' draws (CUDA), keyed by this step's seed and a seeded row's own key; top-k / top-p rows draw
+            # from the generator as on CPU unless a row is seeded (no kernel to compile for a plain top-p batch)
+            seed = None
+            if self.race_draws and (not filtered or st.keys is not None):
                 seed = torch.randint(1 << 62, (1,), generator=generator, device=logits.device)
-                tokens = self.race_fn(logits, temperatures, seed=seed)
+            if filtered:
+                draws = functools.partial(self.draws_fn, seed, keys=st.keys, streams=st.streams) if seed is not None \
+                    else None
+                tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator, draws)
+            elif seed is not None:
+                tokens = self.race_fn(logits, temperatures, seed=seed, keys=st.keys, streams=st.streams)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
                 tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
             if st.any_greedy:
@@ -125,10 +153,13 @@ class Sampler(nn.Module):
         return tokens, (top.values if top else None, top.indices if top else None, chosen)
 
 
-def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
+def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):
     """Exp(1) draws shaped like `like` [batch, n]; token_ids [batch, n] gives each candidate's vocabulary id
     (None: candidate i is token i). A seeded row draws one Exp(1) per vocabulary id from its own generator,
-    so its tokens do not depend on how many candidates the rest of the batch needs."""
+    so its tokens do not depend on how many candidates the rest of the batch needs. draws (CUDA): the race kernel's
+    draws for (shape, token_ids), each a function of its row's key and stream and the token id."""
+    if draws is not None:
+        return draws(like.shape, token_ids)
     noise = torch.empty(like.shape, device=like.device).exponential_(1, generator=generator)
     for row, gen in st.generators or ():
         draws = torch.empty(st.vocab_size or like.size(1), device=like.device).exponential_(1, generator=gen)
@@ -141,14 +172,14 @@ def race_in_log_space(logits: torch.Tensor, temperatures: torch.Tensor, noise: t
     return (logits.float() / temperatures - noise.clamp(min=1e-10).log()).argmax(-1)
 
 
-def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None):
+def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):
     """The exponential race among candidates: argmax(p / E) picks candidate i with probability p_i."""
-    noise = _noise(probs, st, generator, token_ids)
+    noise = _noise(probs, st, generator, token_ids, draws)
     pick = probs.div_(noise.clamp_(min=1e-10)).argmax(-1)
     return pick if token_ids is None else token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
-def _sample_filtered(probs: torch.Tensor, st: SamplingTensors, generator) -> torch.Tensor:
+def _sample_filtered(probs: torch.Tensor, st: SamplingTensors, generator, draws=None) -> torch.Tensor:
     """top-k, then top-p (over what top-k kept, renormalized), then min-p; then the race among the rest.
     When every row has a top-k, only the max_top_k best candidates are ranked (topk instead of a full sort)."""
     if st.max_top_k < probs.size(1):
@@ -167,4 +198,4 @@ def _sample_filtered(probs: torch.Tensor, st: SamplingTensors, generator) -> tor
     if st.min_ps is not None:
         remove |= sorted_probs < st.min_ps.unsqueeze(1) * sorted_probs[:, :1]
     remove[:, 0] = False  # the most likely token always stays
-    return _race(sorted_probs.masked_fill(remove, 0.0), st, generator, order)
+    return _race(sorted_probs.masked_fill(remove, 0.0), st, generator, order, draws)
