@@ -42,11 +42,12 @@ def test_sampler_race_switches():
     from nanovllm.layers.sampler import Sampler, race_in_log_space
     sampler = Sampler()
     assert sampler.race_fn is race_in_log_space
+    assert not sampler.keyed and not sampler.penalties.fused  # CPU: a generator per seeded row, torch penalties
     use_compiled_ops(sampler, True)
     from nanovllm.layers.kernels.race import race
-    assert sampler.race_fn is race
+    assert sampler.race_fn is race and sampler.keyed and sampler.penalties.fused
     use_compiled_ops(sampler, False)
-    assert sampler.race_fn is race_in_log_space
+    assert sampler.race_fn is race_in_log_space and not sampler.keyed and not sampler.penalties.fused
 
 
 def test_environment_switch_keeps_eager(monkeypatch: pytest.MonkeyPatch):

@@ -109,6 +109,12 @@ start = list(events)
 del events[:]
 for n, length in ((1, 5), (3, 40), (16, 9), (40, 200)):
     llm.generate([[7] * length] * n, SamplingParams(temperature=0.6, max_tokens=6, ignore_eos=True), use_tqdm=False)
+# seeded rows (the keyed race; top-k: their draws by token id) and the three penalty variants
+for opts in (dict(seed=3), dict(seed=3, top_k=20), dict(seed=3, top_p=0.9), dict(repetition_penalty=1.2),
+             dict(presence_penalty=0.5, frequency_penalty=0.5), dict(repetition_penalty=1.2, frequency_penalty=0.5)):
+    for n in (1, 40):
+        llm.generate([[7] * 9] * n, SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True, **opts),
+                     use_tqdm=False)
 llm.exit()
 print(json.dumps({"start": start, "run": events}))
 """

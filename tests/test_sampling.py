@@ -378,6 +378,22 @@ def test_seeded_filtered_request_is_independent_of_the_batch(llm):
         assert outs[1]["token_ids"] == alone, other
 
 
+def test_topk_path_picks_what_the_sort_path_picks_on_the_same_draws():
+    """Seeded rows draw by token id, so with the same draws the top-k path (a softmax over the top candidates alone)
+    and the full sort (a softmax over the vocabulary) must pick the same tokens, at every temperature."""
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(3)) * 2
+    temps = torch.tensor([0.3, 0.6, 0.8, 1.0, 1.3, 2.0])
+    kw = dict(top_ks=torch.tensor([5, 20, 7, 20, 12, 3]), top_ps=torch.tensor([0.9, 1.0, 1.0, 0.95, 0.8, 1.0]),
+              min_ps=torch.tensor([0.0, 0.01, 0.0, 0.1, 0.0, 0.0]), any_greedy=False, vocab_size=500)
+    picks = {}
+    for name, max_top_k in (("fast", 20), ("full", 1 << 62)):
+        gens = [torch.Generator().manual_seed(100 + row) for row in range(6)]
+        st = SamplingTensors(temps, max_top_k=max_top_k, generators=list(enumerate(gens)), **kw)
+        picks[name] = torch.stack([Sampler()(logits, st)[0] for _ in range(200)])
+    assert torch.equal(picks["fast"], picks["full"])
+    assert all(len(set(picks["fast"][:, row].tolist())) > 1 for row in range(6))
+
+
 def test_topk_path_matches_the_sort_path():
     """With every row top-k'd the sampler ranks only max_top_k candidates; the distribution is the same."""
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))

@@ -417,6 +417,13 @@ def check_race_keys(dtype, device="cpu", vocab: int = 5000):
     assert torch.equal(plain, race_in_log_space(logits, temps, exp_draws(seed, (6, vocab))))
     ids = torch.stack([torch.randperm(vocab, device=device)[:300] for _ in range(6)])
     assert torch.equal(exp_draws(seed, (6, 300), ids, keys, streams), noise.gather(1, ids))
+    # the stream is the counter's high word: two positions' draws share no values (a stream in the low word would
+    # shift them by 4 tokens), and a seeded row with stream 1 draws apart from an unseeded row of the same key
+    one_key = torch.full((2,), 5, dtype=torch.int64, device=device)
+    near = exp_draws(seed, (2, vocab), keys=one_key, streams=torch.tensor([1, 2], device=device))
+    assert torch.isin(near[0], near[1]).float().mean() < 0.01
+    unseeded = exp_draws(torch.tensor([5], device=device), (1, vocab))
+    assert torch.isin(near[0], unseeded[0]).float().mean() < 0.01
     # one key: every stream its own draws; the same stream the same draws
     flat = torch.zeros(1, vocab, device=device, dtype=dtype)
     one = dict(keys=torch.tensor([5], device=device), streams=torch.tensor([9], device=device))
@@ -488,6 +495,19 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000):
             assert [pick([other, seeded], seeded, [5, p]) for p in range(10, 30)] == alone, other
         assert [pick([seeded, others[1]], seeded, [p, 5]) for p in range(10, 30)] == alone
         assert [pick([seeded], seeded, [p], sample_index=1) for p in range(10, 30)] != alone
+        sampler.use_compiled(False)  # eager on CUDA: keyed all the same (exp_draws), so the same tokens
+        sampler.keyed = True
+        assert [pick([seeded], seeded, [p]) for p in range(10, 30)] == alone
+        assert [pick([others[0], seeded], seeded, [5, p]) for p in range(10, 30)] == alone
+        sampler.use_compiled(True)
+    # seeds wrap into 64 bits: sample 1 of seed 2**64 - 1 is sample 0 of seed 0; seed 2**63 is key -2**63
+    wrapped = SamplingParams(temperature=1.0, seed=2**64 - 1)
+    zero = SamplingParams(temperature=1.0, seed=0)
+    at = [pick([zero], zero, [p]) for p in range(10, 20)]
+    assert [pick([wrapped], wrapped, [p], sample_index=1) for p in range(10, 20)] == at
+    assert [pick([wrapped], wrapped, [p]) for p in range(10, 20)] != at
+    high = SamplingParams(temperature=1.0, seed=2**63)
+    assert len({pick([high], high, [p]) for p in range(10, 20)}) > 1
 
 
 def check_penalties(batch: int, vocab: int, device="cpu", exact: bool = True):

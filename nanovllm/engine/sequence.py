@@ -38,7 +38,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
-        self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0)
+        self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0, CPU)
         self.grammar = None  # structured outputs: this sample's SequenceGrammar (its matcher; rank 0)
         self.logprobs: list[dict[int, float]] = []
         self.new_token = -1  # the token the last settled step added (streaming reports it)

@@ -181,12 +181,38 @@ def forward(runner, seqs: list[Sequence]):
 
 
 def _sample(runner):
-    """Sampling for the largest decode batch and for one row (its race kernel compiles apart)."""
+    """Sampling for the largest decode batch and for one row (its race kernel compiles apart); with the compiled
+    sampler, the kernels of seeded rows and of penalties too."""
     cfg = runner.config
     logits = torch.zeros(cfg.max_num_seqs, cfg.hf_config.vocab_size, dtype=cfg.torch_dtype, device=runner.device)
     temperatures = torch.ones(cfg.max_num_seqs, device=runner.device)
     runner.sampler(logits, SamplingTensors(temperatures), runner.generator)
     runner.sampler(logits[:1], SamplingTensors(temperatures[:1]), runner.generator)
+    if runner.sampler.race_draws:
+        _sampler_kernels(logits, temperatures)
+
+
+def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
+    """The race on float32 logits (a batch with logprobs or a logits processor converts them) and keyed for seeded
+    rows, for the batch and one row; seeded rows' draws by token id (top-k / top-p); the three penalty variants.
+    Each called once on zeros."""
+    from nanovllm.layers.kernels.penalties import apply_penalties
+    from nanovllm.layers.kernels.race import exp_draws, race
+    rows, vocab = logits.shape
+    device = logits.device
+    seed = torch.zeros(1, dtype=torch.int64, device=device)
+    keys, streams = torch.zeros(rows, dtype=torch.int64, device=device), torch.ones(rows, dtype=torch.int64,
+                                                                                    device=device)
+    for x, keyed in ((logits, True), (logits.float(), False), (logits.float(), True)):
+        for n in (rows, 1):
+            race(x[:n], temperatures[:n], seed=seed, **(dict(keys=keys[:n], streams=streams[:n]) if keyed else {}))
+    ids = torch.zeros(rows, 20, dtype=torch.int64, device=device)  # (the candidate count is not specialized on)
+    exp_draws(seed, ids.shape, ids, keys, streams)
+    lines, one = torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, device=device)
+    seen, counts = torch.zeros(1, vocab, dtype=torch.bool, device=device), torch.zeros(1, vocab, device=device)
+    for rep, add in ((True, False), (False, True), (True, True)):
+        apply_penalties(logits[:1].float(), lines, seen, counts, one if rep else None, one if add else None,
+                        one if add else None)
 
 
 def warmup(runner):

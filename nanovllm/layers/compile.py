@@ -1,8 +1,9 @@
 """Fused versions of the small elementwise ops, switched on by the CUDA model runner (unless enforce_eager):
-Triton kernels for RMSNorm (with the residual add), SiLU-and-mul, q/k norm + rotary, and the sampler's race
-(layers/kernels/norm.py, activation.py, rope.py, race.py); torch.compile only for a rotary embedding whose head
-size the rope kernel does not take. Eager, each op is a chain of tiny kernels; fused, one kernel (on one H200 the
-first fused version, all torch.compile, took a decode step's forward from 8.6 to 5.2 ms: docs/benchmarks.md).
+Triton kernels for RMSNorm (with the residual add), SiLU-and-mul, q/k norm + rotary, the sampler's race and
+penalties (layers/kernels/norm.py, activation.py, rope.py, race.py, penalties.py); torch.compile only for a rotary
+embedding whose head size the rope kernel does not take. Eager, each op is a chain of tiny kernels; fused, one
+kernel (on one H200 the first fused version, all torch.compile, took a decode step's forward from 8.6 to 5.2 ms:
+docs/benchmarks.md).
 No torch.compile on the usual path also keeps the inductor compile out of start-up. CPU runs stay plain torch.
 NANOVLLM_COMPILE=0 keeps them eager, for comparison."""
 import functools

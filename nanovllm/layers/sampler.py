@@ -1,6 +1,7 @@
-"""Batched sampling: every option is applied to the whole batch with tensors. On CUDA every draw comes from the race
-kernel's Philox (layers/kernels/race.py), a seeded request's from its own key; on CPU a seeded request draws from its
-own torch.Generator, one row at a time."""
+"""Batched sampling: every option is applied to the whole batch with tensors. On CUDA a seeded request's draws come
+from Philox keyed by its seed (layers/kernels/race.py, with or without enforce_eager), the others' from the race
+kernel's Philox keyed by the step's seed (or, eager or top-k / top-p, from the runner's generator); on CPU a seeded
+request draws from its own torch.Generator, one row at a time."""
 import functools
 from dataclasses import dataclass, field
 
@@ -32,10 +33,10 @@ class SamplingTensors:
     top_ps: torch.Tensor | None = None  # [batch] float32; 1 when off
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
     processors: list[tuple[LogitsProcessor, object]] = field(default_factory=list)  # with this step's state
-    generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators (CPU)
-    # CUDA, when some row is seeded: each row's Philox key and stream (kernels/race.py). A seeded row's key is its
-    # seed and its stream the position its token takes + 1, so its draws depend on neither the batch nor the step;
-    # stream 0: an unseeded row, keyed by the step's seed and its row.
+    generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators (not keyed)
+    # Keyed draws (CUDA), when some row is seeded: each row's Philox key and stream (kernels/race.py). A seeded row's
+    # key is its seed and its stream the position its token takes + 1, so its draws depend on neither the batch nor
+    # the step; stream 0: an unseeded row, keyed by the step's seed and its row.
     keys: torch.Tensor | None = None  # [batch] int64
     streams: torch.Tensor | None = None  # [batch] int64
     num_logprobs: int = -1  # top-k logprobs to return (-1: none)
@@ -51,9 +52,11 @@ class Sampler(nn.Module):
     def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu"):
         super().__init__()
         self.race_fn = race_in_log_space
-        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed (CUDA)
-        self.draws_fn = None  # that noise as a tensor, for the filtered path (kernels/race.py's exp_draws)
+        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed (CUDA, compiled)
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        # seeded rows keyed in Philox (kernels/race.py), not a generator each: on CUDA, compiled or eager alike, so
+        # that a seed gives the same tokens either way
+        self.keyed = self.device.type == "cuda"
         self.penalties = PenaltiesProcessor(vocab_size, self.device)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
         self.grammar = GrammarProcessor(grammar_threads(self.device.type))
@@ -64,10 +67,10 @@ class Sampler(nn.Module):
         """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py), the penalties in
         one pass (layers/kernels/penalties.py)."""
         if enabled:
-            from nanovllm.layers.kernels.race import exp_draws, race
-            self.race_fn, self.race_draws, self.draws_fn = race, True, exp_draws
+            from nanovllm.layers.kernels.race import race
+            self.race_fn, self.race_draws, self.keyed = race, True, True
         else:
-            self.race_fn, self.race_draws, self.draws_fn = race_in_log_space, False, None
+            self.race_fn, self.race_draws, self.keyed = race_in_log_space, False, self.device.type == "cuda"
         self.penalties.use_compiled(enabled)
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice,
@@ -94,7 +97,7 @@ class Sampler(nn.Module):
             if state is not None:
                 st.processors.append((processor, state))
         seeded = [i for i, (sp, keep) in enumerate(zip(sps, sampled)) if sp.seed is not None and not sp.greedy and keep]
-        if seeded and self.race_draws:  # sample i of n is keyed by seed + i (as a 64-bit two's complement)
+        if seeded and self.keyed:  # sample i of n is keyed by seed + i (as a 64-bit two's complement)
             keys, streams = [0] * len(seqs), [0] * len(seqs)
             for i in seeded:
                 key = sample_seed(sps[i].seed, seqs[i].sample_index)
@@ -129,19 +132,21 @@ class Sampler(nn.Module):
             tokens = logits.argmax(-1)
         else:
             temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
-            # the kernels' draws (CUDA), keyed by this step's seed and a seeded row's own key; top-k / top-p rows draw
-            # from the generator as on CPU unless a row is seeded (no kernel to compile for a plain top-p batch)
-            seed = None
-            if self.race_draws and (not filtered or st.keys is not None):
+            # Philox draws keyed by this step's seed and a seeded row's own key: the race kernel's own, or the same
+            # as a tensor (exp_draws) where a seeded row needs them outside it; top-k / top-p or eager batches
+            # without a seeded row draw from the generator (no kernel to compile for them)
+            draws = seed = None
+            if st.keys is not None or (self.race_draws and not filtered):
                 seed = torch.randint(1 << 62, (1,), generator=generator, device=logits.device)
+            if st.keys is not None:
+                from nanovllm.layers.kernels.race import exp_draws
+                draws = functools.partial(exp_draws, seed, keys=st.keys, streams=st.streams)
             if filtered:
-                draws = functools.partial(self.draws_fn, seed, keys=st.keys, streams=st.streams) if seed is not None \
-                    else None
-                tokens = _sample_filtered(torch.softmax(logits / temperatures, -1), st, generator, draws)
-            elif seed is not None:
+                tokens = _sample_filtered(logits, temperatures, st, generator, draws)
+            elif self.race_draws:
                 tokens = self.race_fn(logits, temperatures, seed=seed, keys=st.keys, streams=st.streams)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
-                tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator))
+                tokens = self.race_fn(logits, temperatures, _noise(logits, st, generator, draws=draws))
             if st.any_greedy:
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         for processor, state in st.processors:
@@ -179,14 +184,18 @@ def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
     return pick if token_ids is None else token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
-def _sample_filtered(probs: torch.Tensor, st: SamplingTensors, generator, draws=None) -> torch.Tensor:
+def _sample_filtered(logits: torch.Tensor, temperatures: torch.Tensor, st: SamplingTensors, generator,
+                     draws=None) -> torch.Tensor:
     """top-k, then top-p (over what top-k kept, renormalized), then min-p; then the race among the rest.
-    When every row has a top-k, only the max_top_k best candidates are ranked (topk instead of a full sort)."""
-    if st.max_top_k < probs.size(1):
-        sorted_probs, order = probs.topk(st.max_top_k, -1)
+    Each step needs a row's probabilities only up to a factor (top-p's mass is relative to what top-k kept, min-p's
+    threshold to the top probability, the race picks argmax(p / E)), so when every row has a top-k, only the
+    max_top_k best logits are ranked (topk instead of a full sort) and the softmax covers them alone."""
+    if st.max_top_k < logits.size(1):
+        values, order = logits.topk(st.max_top_k, -1)
+        sorted_probs = torch.softmax(values / temperatures, -1)
     else:
-        sorted_probs, order = probs.sort(-1, descending=True)
-    rank = torch.arange(sorted_probs.size(1), device=probs.device).unsqueeze(0)
+        sorted_probs, order = torch.softmax(logits / temperatures, -1).sort(-1, descending=True)
+    rank = torch.arange(sorted_probs.size(1), device=logits.device).unsqueeze(0)
     remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if st.top_ks is not None:
         remove |= rank >= st.top_ks.unsqueeze(1)

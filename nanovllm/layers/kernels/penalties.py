@@ -36,11 +36,15 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
     vocab] float32; repetition [batch] (None: no row has one), presence and frequency [batch] (both None or both
     given) -> a new penalized [batch, vocab] float32 tensor."""
     batch, vocab = logits.shape
+    if seen.shape != counts.shape or seen.size(1) != vocab or not (seen.is_contiguous() and counts.is_contiguous()):
+        raise ValueError(f"seen and counts must be contiguous [lines, {vocab}] buffers, got {tuple(seen.shape)} and "
+                         f"{tuple(counts.shape)}")
+    if (presence is None) != (frequency is None):
+        raise ValueError("presence and frequency go together: pass both or neither")
+    logits = logits.contiguous()
     out = torch.empty_like(logits)
     if not batch:
         return out
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
     add = presence is not None
     _penalties_kernel[(batch, triton.cdiv(vocab, BLOCK))](
         logits, out, rows, seen.view(torch.uint8), counts, repetition if repetition is not None else logits,

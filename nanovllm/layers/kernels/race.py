@@ -182,7 +182,7 @@ def _check_keys(keys, streams, batch: int, seed) -> bool:
     return True
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "stride_i", "stride_o"])  # (one compile for every candidate count)
 def _draws_kernel(seed_ptr, keys_ptr, streams_ptr, ids_ptr, out_ptr, n, stride_i, stride_o, KEYED: tl.constexpr,
                   IDS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
