@@ -20,6 +20,7 @@ VARIANTS = {
                                                     frequency_penalty=0.5),
     "seeded": dict(temperature=0.6, seed=1),
     "logprobs=5": dict(temperature=0.6, logprobs=5),
+    "logprobs=0 (the sampled token's)": dict(temperature=0.6, logprobs=0),
     "plain again (order check)": dict(temperature=0.6),
 }
 

@@ -378,6 +378,29 @@ def test_seeded_filtered_request_is_independent_of_the_batch(llm):
         assert outs[1]["token_ids"] == alone, other
 
 
+def test_logprobs_come_from_the_raw_logits_not_the_penalized_ones():
+    """Penalties, min_tokens and temperature change what is sampled, not the logprobs returned (as vLLM's raw
+    logprobs): each row's top-k and sampled-token logprobs equal log_softmax of the logits the model gave."""
+    from types import SimpleNamespace
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    sampler = Sampler(vocab, eos_token_ids=[int(logits[2].argmax())])
+    params = [SamplingParams(temperature=0, logprobs=4, repetition_penalty=20.0),
+              SamplingParams(temperature=0.7, logprobs=4, presence_penalty=1.5, frequency_penalty=1.0),
+              SamplingParams(temperature=0, logprobs=0, min_tokens=3)]
+    history = [int(t) for t in logits[0].topk(3).indices] + [int(logits[1].argmax())] * 2  # penalized tokens
+    seqs = [SimpleNamespace(seq_id=i, sampling_params=sp, token_ids=history, num_prompt_tokens=1, num_tokens=5,
+                            num_completion_tokens=4 if i < 2 else 0, is_finished=False, sample_index=0,
+                            generator=None) for i, sp in enumerate(params)]
+    st = sampler.prepare(seqs, [True] * 3, lambda data, dtype: torch.tensor(data, dtype=dtype))
+    tokens, (values, ids, chosen) = sampler(logits.clone(), st, torch.Generator().manual_seed(0))
+    reference = torch.log_softmax(logits, -1)
+    assert tokens[0] != logits[0].argmax() and tokens[2] != logits[2].argmax()  # the processors did act
+    torch.testing.assert_close(values, reference.topk(4).values)
+    assert torch.equal(ids, reference.topk(4).indices)
+    torch.testing.assert_close(chosen, reference.gather(1, tokens.unsqueeze(1)).squeeze(1))
+
+
 def test_topk_path_picks_what_the_sort_path_picks_on_the_same_draws():
     """Seeded rows draw by token id, so with the same draws the top-k path (a softmax over the top candidates alone)
     and the full sort (a softmax over the vocabulary) must pick the same tokens, at every temperature."""

@@ -23,7 +23,8 @@ class LogitsProcessor:
         raise NotImplementedError
 
     def apply(self, logits: torch.Tensor, state) -> torch.Tensor:
-        """logits [batch, vocab] float32 -> processed logits."""
+        """logits [batch, vocab] float32 -> processed logits. A constraint may change `logits` in place; the others
+        return a new tensor (the sampler keeps the constrained logits for the logprobs)."""
         raise NotImplementedError
 
     def update(self, state, tokens: torch.Tensor):

@@ -124,7 +124,7 @@ class Sampler(nn.Module):
         for processor, state in st.processors:
             if processor.is_constraint:
                 logits = processor.apply(logits, state)
-        raw_logprobs = torch.log_softmax(logits, -1) if st.num_logprobs >= 0 else None
+        raw = logits if st.num_logprobs >= 0 else None  # (the processors below return new tensors)
         for processor, state in st.processors:
             if not processor.is_constraint:
                 logits = processor.apply(logits, state)
@@ -151,11 +151,13 @@ class Sampler(nn.Module):
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         for processor, state in st.processors:
             processor.update(state, tokens)
-        if raw_logprobs is None:
+        if raw is None:
             return tokens, None
-        top = raw_logprobs.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, (top.values if top else None, top.indices if top else None, chosen)
+        # logprob = logit - logsumexp: the top k and the sampled token's, without a [batch, vocab] log_softmax
+        lse = torch.logsumexp(raw, -1)
+        top = raw.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        return tokens, (top.values - lse.unsqueeze(1) if top else None, top.indices if top else None, chosen)
 
 
 def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):
