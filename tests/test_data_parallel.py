@@ -15,7 +15,9 @@ from nanovllm.data_parallel import DataParallelLLM, ReplicaError, route
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
 
-OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+# Replicas take a GPU each on a CUDA host with two or more; elsewhere (CI, a one-GPU machine) they share the CPU cores
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+OPTIONS = dict(device=DEVICE, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
@@ -194,7 +196,7 @@ def test_a_script_without_a_main_guard_is_told_so(chat_model, tmp_path, option):
     import sys
     script = tmp_path / "unguarded.py"
     script.write_text(f"from nanovllm import LLM\nllm = LLM({chat_model!r}, {option}=2, max_model_len=256, "
-                      "kvcache_block_size=16, num_kvcache_blocks=32)\n")
+                      f"kvcache_block_size=16, num_kvcache_blocks=32, device={DEVICE!r})\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": root})
