@@ -203,7 +203,8 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
     seed = torch.zeros(1, dtype=torch.int64, device=device)
     keys, streams = torch.zeros(rows, dtype=torch.int64, device=device), torch.ones(rows, dtype=torch.int64,
                                                                                     device=device)
-    for x, keyed in ((logits, True), (logits.float(), False), (logits.float(), True)):
+    floats = logits.float()
+    for x, keyed in ((logits, True), (floats, False), (floats, True)):
         for n in (rows, 1):
             race(x[:n], temperatures[:n], seed=seed, **(dict(keys=keys[:n], streams=streams[:n]) if keyed else {}))
     ids = torch.zeros(rows, 20, dtype=torch.int64, device=device)  # (the candidate count is not specialized on)
@@ -211,7 +212,7 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
     lines, one = torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, device=device)
     seen, counts = torch.zeros(1, vocab, dtype=torch.bool, device=device), torch.zeros(1, vocab, device=device)
     for rep, add in ((True, False), (False, True), (True, True)):
-        apply_penalties(logits[:1].float(), lines, seen, counts, one if rep else None, one if add else None,
+        apply_penalties(floats[:1], lines, seen, counts, one if rep else None, one if add else None,
                         one if add else None)
 
 

@@ -5,11 +5,11 @@ on the same noise: the distribution is the same.
 
 Without a noise tensor the kernel draws E itself: E = -log(1 - U) (_exp1: accurate for small U too), U uniform in
 [0, 1) from Philox keyed by the step's seed plus the row; one Philox call gives four uniforms, so token n takes lane
-n % 4 of counter n // 4 (_uniforms). A seeded request's row is keyed by its seed instead, with its stream (the
+n % 4 of counter n // 4 (_uniforms). That skips writing and reading a [batch, vocab] float32 tensor of draws (at
+batch 256, 155 MB each way) and its kernel. A seeded request's row is keyed by its seed instead, with its stream (the
 position its token takes, plus one) in the counter's high 32 bits: its draws depend on neither the batch nor the
 step, and never repeat along the sequence. exp_draws writes the same draws as a tensor (for top-k / top-p, which
-race among sorted candidates). That skips writing and reading a [batch, vocab] float32 tensor of draws (at
-batch 256, 155 MB each way) and its kernel. It then scores in base 2, argmax(logits * log2(e) / T - log2(E *
+race among sorted candidates). The kernel then scores in base 2, argmax(logits * log2(e) / T - log2(E *
 log2(e))) (the same order: the natural-log score times log2(e), less a constant), with the GPU's one-instruction
 log2 (lg2.approx: absolute error about 2^-22 near 1, so E is about 2e-5 off, relatively, where the series for
 small U hands over). Each lane of a program's block keeps its own best across the blocks; the program reduces
@@ -29,6 +29,7 @@ from triton.language.extra import libdevice
 from nanovllm.layers.kernels.decode import sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 PROGRAMS_PER_SM = 4  # a batch under this many rows a SM splits its rows into vocabulary chunks (race_chunks)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it at import too): no libdevice
 
@@ -197,7 +198,7 @@ def _draws_kernel(seed_ptr, keys_ptr, streams_ptr, ids_ptr, out_ptr, n, stride_i
         u = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
     else:  # candidate j is token j
         u = _uniforms(key, offset + start // 4, BLOCK)
-    tl.store(out_ptr + row * stride_o + cols, _exp1(u, FAST) * 0.6931471805599453, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _exp1(u, FAST) * LN2, mask=mask)  # natural units
 
 
 def exp_draws(seed: torch.Tensor, shape: tuple[int, int], token_ids: torch.Tensor | None = None,
