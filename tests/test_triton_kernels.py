@@ -264,15 +264,15 @@ def test_elementwise_kernels_compile_for_hopper():
                                "v_scale_ptr": "*fp32", "positions_ptr": "*i64", "cache_ptr": "*fp32",
                                "slot_ptr": "*i32", "eps": "fp32"},
                             dict(NORM=norm, BLOCK_HQ=heads or 16, BLOCK_HK=heads or 8, HALF=64, STORE=store,
-                                 BLOCK_SIZE=256, QUANT=quant, FP8_MAX=448.0),
-                            num_warps=max(1, heads // 2) if heads else 4)
+                                 BLOCK_SIZE=256, QUANT=quant, FP8_MAX=448.0, PDL=True),
+                            num_warps=max(1, heads // 2) if heads else 4, launch_pdl=True)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                        dict(BLOCK=1024, PDL=True), num_warps=4)
+                        dict(BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
     from nanovllm.layers.kernels import norm, race
     for add in (True, False):
         _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
                                                                           "res_out_ptr")} | {"eps": "fp32"},
-                            dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4)
+                            dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
     from nanovllm.layers.kernels import gemv
     # (qkv as it was; o_proj, gate_up and down swapped, o_proj and down split over K)
     for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048), (16, 6144, 1024), (16, 1024, 3072)):
@@ -283,7 +283,7 @@ def test_elementwise_kernels_compile_for_hopper():
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True, SPLIT=gemv.gemv_split_k(rows, n, k, block_n, block_k,
                                                                     torch.device("cpu"), swap) > 1,
-                                 SWAP=swap),
+                                 SWAP=swap, TRIGGER=True),
                             num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):

@@ -19,7 +19,8 @@ def silu_mul(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the down projection's kernel may start loading its weights (kernels/pdl.py)
+    if PDL:  # launched early (kernels/pdl.py): wait for the kernel before; the down projection's kernel may then
+        tl.extra.cuda.gdc_wait()  # start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     token, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < inter
@@ -42,5 +43,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
                                                                BLOCK=block, PDL=pdl_enabled(x.device),
-                                                               num_warps=4)
+                                                               num_warps=4,
+                                                               **({"launch_pdl": True} if pdl_enabled(x.device)
+                                                                  else {}))
     return out

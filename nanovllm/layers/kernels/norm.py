@@ -19,7 +19,8 @@ def rms_normed(x, w, n, eps, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next linear layer's kernel may start loading its weights (kernels/pdl.py)
+    if PDL:  # launched early (kernels/pdl.py): wait for the kernel before; the next linear layer's kernel may then
+        tl.extra.cuda.gdc_wait()  # start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -48,7 +49,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                   res_out.stride(0), n, eps, ADD=residual is not None, BLOCK=block,
-                                  PDL=pdl_enabled(x.device), num_warps=min(8, max(1, block // 256)))
+                                  PDL=pdl_enabled(x.device), num_warps=min(8, max(1, block // 256)),
+                                  **({"launch_pdl": True} if pdl_enabled(x.device) else {}))
     return out.view(shape), res_out.view(shape)
 
 

@@ -3,10 +3,14 @@ the kernel before it is still running, once every program of that kernel has cal
 exited). It must call gdc_wait, which waits for the previous kernel to finish and its writes to be visible, before
 it reads anything that kernel wrote or writes anything (a buffer it writes may be one the previous kernel reads).
 
-Only the one-row linear kernel (gemv.py) is launched this way: it loads its slice of W, which no kernel writes,
-before gdc_wait, so a batch-1 step reads the next layer's weights while the current kernel finishes. The kernels
-that run before a linear layer (RMSNorm, SiLU-and-mul, decode attention) trigger their dependents
-as they start. Both are no-ops in a kernel not launched that way. CUDA graphs keep the launch attribute."""
+Launched this way: the one-row linear kernel (gemv.py), which loads its slice of W (no kernel writes it) before
+gdc_wait, so a batch-1 step reads the next layer's weights while the current kernel finishes; and the small kernels
+between the linear layers (RMSNorm, SiLU-and-mul, q/k norm + rotary), which wait first thing: their launch overlaps
+the kernel before instead of following it (batch 16 on one H200: 1.41 -> 1.33 ms/token, docs/benchmarks.md). The
+kernels before them trigger their dependents as they start: RMSNorm, SiLU-and-mul and decode attention (for the
+one-row kernel), the 2-16-row linear kernel (for the small kernels). Launched under PDL, the general linear kernel
+lost (its programs held SMs while waiting); benchmarks/kernel_chain.py measures the three ways on a GPU. Both calls
+are no-ops in a kernel not launched that way. CUDA graphs keep the launch attribute."""
 import functools
 import os
 
@@ -18,3 +22,4 @@ def pdl_enabled(device: torch.device) -> bool:
     """On Hopper and later GPUs (NANOVLLM_PDL=0 turns it off, for comparison)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
             and os.environ.get("NANOVLLM_PDL", "1") != "0")
+

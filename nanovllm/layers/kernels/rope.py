@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kernels.pdl import pdl_enabled
 from nanovllm.layers.kernels.store_kvcache import row_scale, to_fp8
 
 
@@ -54,7 +55,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                          stride_vh_c, stride_vd, stride_sb, stride_sh, num_q_heads, num_k_heads, eps,
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
                          STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
+                         FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (kernels/pdl.py): wait for the qkv projection before reading or writing anything
+        tl.extra.cuda.gdc_wait()
     token, chunk = tl.program_id(0), tl.program_id(1)
     q_chunks = tl.cdiv(num_q_heads, BLOCK_HQ)
     together = tl.num_programs(1) == 1  # one program rotates all the token's heads (q, then k)
@@ -151,5 +154,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
+        PDL=pdl_enabled(q.device), **({"launch_pdl": True} if pdl_enabled(q.device) else {}),
     )
     return q, k
