@@ -2,7 +2,7 @@
 the GPU: a wait near zero means the loop is host-bound (the CPU, not the GPU, sets ms/token).
 
     python benchmarks/host_time.py [--batches 16 1] [--model PATH] [--new-tokens 128] [--prompt-len 512]
-                                    [--max-token-id 10000]
+                                    [--max-token-id 10000] [--logprobs K]
 
 The prompts are prefilled first; then the counters start and `--new-tokens` decode steps run through
 `llm.step()`, each part timed by wrapping the engine's methods (a few us of overhead each). Parts nest (launch
@@ -47,6 +47,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-token-id", type=int, default=10000)
+    p.add_argument("--logprobs", type=int, default=None, help="ask every request for K top logprobs")
     args = p.parse_args()
     dummy = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
     llm = LLM(args.model, enable_prefix_caching=False, **dummy)
@@ -64,7 +65,8 @@ def main():
              (runner, "launch", "launch"), (runner, "prepare", "runner.prepare"),
              (runner.sampler, "prepare", "sampler.prepare"), (runner, "run_model", "run_model"),
              (runner.model, "compute_logits", "compute_logits"), (runner, "_to_host", "copy tokens to host"),
-             (llm, "_apply", "apply tokens")]
+             (llm, "_apply", "apply tokens"), (runner.sampler, "forward", "sampler.forward"),
+             (runner, "_logprob_dicts", "logprob dicts")]
     if runner.graphs is not None:
         parts += [(runner.graphs, "replay", "graphs.replay"), (runner.backend, "fill_graph_buffers",
                                                                 "fill_graph_buffers")]
@@ -78,7 +80,7 @@ def main():
         return [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_len)] for _ in range(batch)]
 
     def params(n):
-        return SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, logprobs=args.logprobs)
     for batch in args.batches:
         llm.generate(prompts(batch), params(32), use_tqdm=False)  # warm-up
         for prompt in prompts(batch):

@@ -1,6 +1,7 @@
 """Throughput with and without per-request sampling options (same workload, same engine).
 
     python benchmarks/sampling.py [--model PATH] [--num-seqs 256] [--input-len 256] [--output-len 256]
+                                  [--only plain logprobs ...]
 """
 import argparse
 import os
@@ -33,17 +34,19 @@ def main():
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--dummy", action="store_true", help="random weights (implied for the bundled configs)")
+    p.add_argument("--only", nargs="+", default=None, help="the variants whose names contain one of these")
     args = p.parse_args()
+    variants = {name: opts for name, opts in VARIANTS.items() if not args.only or any(w in name for w in args.only)}
     dummy = args.dummy or not os.path.exists(os.path.join(args.model, "model.safetensors"))
     # no prefix caching: every variant prefills the same prompts from scratch
     llm = LLM(args.model, load_format="dummy" if dummy else "auto", max_model_len=args.input_len + args.output_len + 8,
               enable_prefix_caching=False)
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.num_seqs)]
-    for opts in VARIANTS.values():  # (a variant's first use may compile its kernels: not timed)
+    for opts in variants.values():  # (a variant's first use may compile its kernels: not timed)
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, **opts), use_tqdm=False)
     rows = []
-    for name, opts in VARIANTS.items():
+    for name, opts in variants.items():
         sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **opts)
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)

@@ -164,6 +164,7 @@ def test_cuda_n_samples_and_prompt_logprobs(qwen3_tied, block_size):
         for p in range(1, len(prompt)):
             for token, value in out["prompt_logprobs"][p].items():
                 assert abs(value - reference[p - 1, token].item()) < 1e-3
+            assert set(reference[p - 1].topk(2).indices.tolist()) <= set(out["prompt_logprobs"][p])  # the top 2
     seeded = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
     a, b = (llm.generate(prompts[:1], seeded, use_tqdm=False)[0] for _ in range(2))
     assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]

@@ -22,7 +22,7 @@ HOPPER_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
 # disjoint -k groups that together select every check in CHECKS, the longest first
-KERNEL_GROUPS = ["rope or silu or norm or race or gemv or penalties", "prefill", "decode and not prefill",
+KERNEL_GROUPS = ["rope or silu or norm or race or gemv or penalties or logprob", "prefill", "decode and not prefill",
                  "store and not rope"]
 
 
@@ -312,6 +312,14 @@ def test_elementwise_kernels_compile_for_hopper():
                                                           "seen_ptr": "*u8", "counts_ptr": "*fp32", "rep_ptr": "*fp32",
                                                           "pres_ptr": "*fp32", "freq_ptr": "*fp32"},
                             dict(REP=rep, ADD=add, BLOCK=penalties.BLOCK), num_warps=8)
+    from nanovllm.layers.kernels import logprobs
+    for dtype in ("*bf16", "*fp32"):
+        _compile_for_hopper(logprobs._logprob_stats_kernel, {"logits_ptr": dtype, "max_ptr": "*fp32",
+                                                             "sum_ptr": "*fp32", "top_v_ptr": "*fp32",
+                                                             "top_i_ptr": "*i64"},
+                            dict(BLOCK=1024, KB=logprobs.MAX_K), num_warps=4)
+    from nanovllm.layers.sampler import MAX_LOGPROBS_FUSED
+    assert MAX_LOGPROBS_FUSED == logprobs.MAX_K  # the sampler's bound of the kernel's k
     _compile_for_hopper(race._race_pick_kernel, {"best_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"},
                         dict(CHUNKS=triton.next_power_of_2(race.PROGRAMS_PER_SM * race.sm_count(torch.device("cpu")))),
                         num_warps=1)  # the engine's bound (an H200's SMs off-GPU)
@@ -458,12 +466,14 @@ def test_gpu_rope_and_silu(tokens, norm):
 
 @pytest.mark.gpu
 def test_gpu_sampler_kernels():
-    """Seeded rows keyed in the race and in exp_draws, the sampler's seeded rows, the penalties kernel: Qwen3's
-    vocabulary, bf16 logits."""
+    """Seeded rows keyed in the race and in exp_draws, the sampler's seeded rows, the penalties kernel, the logprobs
+    kernel and the sampler's logprobs with it: Qwen3's vocabulary, bf16 logits (and float32 for logprobs)."""
     from tests.triton_kernel_checks import (
+        check_logprob_stats,
         check_penalties,
         check_race_keys,
         check_race_keys_follow_softmax,
+        check_sampler_logprobs,
         check_sampler_seeded_rows,
     )
     check_race_keys(torch.bfloat16, device="cuda", vocab=151936)
@@ -471,6 +481,11 @@ def test_gpu_sampler_kernels():
     check_sampler_seeded_rows(device="cuda", vocab=151936)
     for batch in (1, 256):
         check_penalties(batch, 151936, device="cuda", exact=False)
+    for batch, k in ((1, 5), (16, 20), (256, 5), (256, 0), (7, 32)):
+        for dtype in (torch.bfloat16, torch.float32):
+            check_logprob_stats(batch, 151936, k, dtype, device="cuda")
+    check_logprob_stats(16, 151936, 8, torch.bfloat16, device="cuda", ties=True, masked=0.3)
+    check_sampler_logprobs(device="cuda", vocab=151936)
 
 
 @pytest.mark.gpu

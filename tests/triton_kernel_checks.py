@@ -538,6 +538,73 @@ def check_penalties(batch: int, vocab: int, device="cpu", exact: bool = True):
         assert not torch.equal(out, logits)
 
 
+def check_logprob_stats(batch: int, vocab: int, k: int, dtype, device="cpu", ties: bool = False,
+                        masked: float = 0.0, keep: int = 0):
+    """The logprobs kernel against torch: each row's logsumexp (close), its k largest logits (the same values, in
+    order; the ids hold them, none twice); ties (rounded logits) and -inf logits (a grammar's mask); keep: only ids
+    5 .. 5 + keep - 1 finite (a grammar allowing fewer than k tokens: the rest of the top k is -inf)."""
+    from nanovllm.layers.kernels.logprobs import logprob_stats
+    x = torch.randn(batch, vocab, device=device) * 4
+    if ties:
+        x = x.round()
+    if masked:
+        x[torch.rand(batch, vocab, device=device) < masked] = float("-inf")
+    if keep:
+        x[:, :5] = float("-inf")
+        x[:, 5 + keep:] = float("-inf")
+    x = x.to(dtype)
+    lse, values, ids = logprob_stats(x, k)
+    xf = x.float()
+    torch.testing.assert_close(lse, torch.logsumexp(xf, -1), atol=1e-5, rtol=1e-6)
+    if not k:
+        assert values is None and ids is None
+        return
+    assert torch.equal(values, xf.topk(k, -1).values), (values, xf.topk(k, -1).values)
+    assert ids.dtype == torch.int64 and torch.equal(xf.gather(1, ids), values)
+    assert all(len(set(row)) == k for row in ids.tolist()), "an id twice"
+
+
+def logprob_stats_empty() -> bool:
+    """A batch of no rows: empty results, no launch."""
+    from nanovllm.layers.kernels.logprobs import logprob_stats
+    lse, values, ids = logprob_stats(torch.empty(0, 3000), 5)
+    return lse.shape == (0,) and values.shape == ids.shape == (0, 5) and ids.dtype == torch.int64
+
+
+def check_sampler_logprobs(device="cpu", vocab: int = 3000):
+    """The sampler's logprobs with the kernel (compiled) and with torch (eager), on the same logits and tokens
+    (greedy rows): top ids of the same logits, values close; with a penalty too (float32 logits), and past MAX_K
+    (torch on both)."""
+    import unittest.mock
+
+    from nanovllm.layers.kernels import logprobs as logprobs_kernel
+    from nanovllm.layers.kernels.logprobs import MAX_K, logprob_stats
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.sampling_params import SamplingParams
+    to_device = lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)  # noqa: E731
+    logits = (torch.randn(3, vocab, device=device) * 3).to(torch.bfloat16)
+    for params in (SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, logprobs=0),
+                   SamplingParams(temperature=0, logprobs=MAX_K + 1),
+                   SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.3)):
+        out = []
+        for compiled in (True, False):
+            sampler = Sampler(vocab, device=device)
+            sampler.use_compiled(compiled)
+            seqs = [_Seq(params, 10, 0, i) for i in range(3)]
+            st = sampler.prepare(seqs, [True] * 3, to_device)
+            with unittest.mock.patch.object(logprobs_kernel, "logprob_stats", side_effect=logprob_stats) as kernel:
+                out.append(sampler(logits, st, None))
+            assert kernel.call_count == (compiled and params.logprobs <= MAX_K), (compiled, params)  # its path
+        (tokens, (values, ids, chosen)), (ref_tokens, (ref_values, ref_ids, ref_chosen)) = out
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(chosen, ref_chosen, atol=1e-5, rtol=1e-6)
+        if params.logprobs:  # ids of the same logits (16-bit logits tie often: either id of a tie)
+            assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids)), (ids, ref_ids)
+            torch.testing.assert_close(values, ref_values, atol=1e-5, rtol=1e-6)
+        else:
+            assert values is None and ids is None and ref_values is None
+
+
 def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
     residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
@@ -671,6 +738,23 @@ def test_race_sampler_seeded_rows():
 
 def test_penalties_kernel():
     check_penalties(5, 3000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprob_stats_kernel(dtype):
+    check_logprob_stats(3, 5000, 5, dtype)  # five vocabulary chunks a row
+    check_logprob_stats(2, 4099, 20, dtype, masked=0.5)  # a last chunk shorter than k; half the logits -inf
+    check_logprob_stats(2, 2000, 32, dtype, ties=True)  # MAX_K, many ties
+    check_logprob_stats(2, 3000, 1, dtype)
+    check_logprob_stats(2, 3000, 0, dtype)  # the logsumexp alone
+    check_logprob_stats(600, 1500, 3, dtype)  # one program a row
+    check_logprob_stats(2, 5000, 12, dtype, keep=10)  # fewer finite logits than k, split and not
+    check_logprob_stats(600, 1500, 20, dtype, keep=3)
+    assert logprob_stats_empty()
+
+
+def test_sampler_logprobs_kernel():
+    check_sampler_logprobs()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

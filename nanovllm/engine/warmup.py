@@ -193,9 +193,9 @@ def _sample(runner):
 
 
 def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
-    """The race on float32 logits (a batch with logprobs or a logits processor converts them) and keyed for seeded
-    rows, for the batch and one row; seeded rows' draws by token id (top-k / top-p); the three penalty variants.
-    Each called once on zeros."""
+    """The race on float32 logits (a batch with a logits processor or a filter converts them) and keyed for seeded
+    rows, for the batch and one row; seeded rows' draws by token id (top-k / top-p); the three penalty variants;
+    the logprobs kernel on both types. Each called once on zeros."""
     from nanovllm.layers.kernels.penalties import apply_penalties
     from nanovllm.layers.kernels.race import exp_draws, race
     rows, vocab = logits.shape
@@ -207,6 +207,9 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
     for x, keyed in ((logits, True), (floats, False), (floats, True)):
         for n in (rows, 1):
             race(x[:n], temperatures[:n], seed=seed, **(dict(keys=keys[:n], streams=streams[:n]) if keyed else {}))
+    from nanovllm.layers.kernels.logprobs import logprob_stats
+    for x in (logits, floats):  # logprobs: one kernel for every k (16-bit logits; float32 after a processor)
+        logprob_stats(x, 1)
     ids = torch.zeros(rows, 20, dtype=torch.int64, device=device)  # (the candidate count is not specialized on)
     exp_draws(seed, ids.shape, ids, keys, streams)
     lines, one = torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, device=device)

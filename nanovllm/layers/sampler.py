@@ -18,6 +18,8 @@ from nanovllm.sampling_params import sample_seed
 from nanovllm.structured_outputs import grammar_threads
 from nanovllm.utils.context import ToDevice
 
+MAX_LOGPROBS_FUSED = 32  # kernels/logprobs.MAX_K (not imported here: that module needs Triton)
+
 
 @dataclass
 class SamplingTensors:
@@ -119,7 +121,9 @@ class Sampler(nn.Module):
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution (with the grammar's
         constraint applied, as in vLLM: tokens it forbids have logprob -inf)."""
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
-        if st.num_logprobs >= 0 or st.processors or filtered:
+        # logprobs from one kernel pass over the logits as they are (CUDA, compiled), else torch over float32
+        fused_logprobs = self.race_draws and 0 <= st.num_logprobs <= min(MAX_LOGPROBS_FUSED, logits.size(1))
+        if (st.num_logprobs >= 0 and not fused_logprobs) or st.processors or filtered:
             logits = logits.float()  # (argmax and the race read 16-bit logits as they are: no float32 copy)
         for processor, state in st.processors:
             if processor.is_constraint:
@@ -154,10 +158,15 @@ class Sampler(nn.Module):
         if raw is None:
             return tokens, None
         # logprob = logit - logsumexp: the top k and the sampled token's, without a [batch, vocab] log_softmax
-        lse = torch.logsumexp(raw, -1)
-        top = raw.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
-        return tokens, (top.values - lse.unsqueeze(1) if top else None, top.indices if top else None, chosen)
+        if fused_logprobs:
+            from nanovllm.layers.kernels.logprobs import logprob_stats
+            lse, top_values, top_ids = logprob_stats(raw, st.num_logprobs)
+        else:
+            lse = torch.logsumexp(raw, -1)
+            top = raw.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
+            top_values, top_ids = (top.values, top.indices) if top else (None, None)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).float() - lse
+        return tokens, (top_values - lse.unsqueeze(1) if top_values is not None else None, top_ids, chosen)
 
 
 def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):
