@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench|tp_profile|dp2|moe_tp2|tp4_bench|dp4|dp2_tp2|multi2|multi4]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -59,6 +59,9 @@ if has fp8; then
 fi
 if has kernels_fp8; then
   TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
+fi
+if has kernel_chain; then  # what a dependent kernel launch costs in a CUDA graph, plain and under PDL
+  TAIL=8 step kernel_chain 60 python3 benchmarks/kernel_chain.py
 fi
 if has latency; then  # ms/token at batch 1/16/64, time to first token, 512 x 2048-token prefill
   TAIL=8 step latency 300 python3 benchmarks/latency.py

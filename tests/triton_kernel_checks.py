@@ -747,9 +747,9 @@ def test_logprob_stats_kernel(dtype):
     check_logprob_stats(2, 2000, 32, dtype, ties=True)  # MAX_K, many ties
     check_logprob_stats(2, 3000, 1, dtype)
     check_logprob_stats(2, 3000, 0, dtype)  # the logsumexp alone
-    check_logprob_stats(600, 1500, 3, dtype)  # one program a row
-    check_logprob_stats(2, 5000, 12, dtype, keep=10)  # fewer finite logits than k, split and not
-    check_logprob_stats(600, 1500, 20, dtype, keep=3)
+    check_logprob_stats(2, 5000, 12, dtype, keep=10)  # fewer finite logits than k
+    # one program a row (528 rows: 4 a SM of an H200; few finite logits, so few insertions: fast in the interpreter)
+    check_logprob_stats(528, 1100, 20, dtype, keep=3)
     assert logprob_stats_empty()
 
 
