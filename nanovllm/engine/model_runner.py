@@ -14,7 +14,7 @@ from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.compile import use_compiled_ops
-from nanovllm.layers.sampler import MAX_LOGPROBS_FUSED, Sampler
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.utils.context import reset_context, set_context, to_device_packed
 from nanovllm.utils.distributed import TPGroup, building_for
@@ -376,27 +376,15 @@ class ModelRunner:
             k = max(ks)
             targets = self._to_device(targets, torch.int64)
         chosen, top_values, top_ids = [], [], []
-        # CUDA, compiled: one kernel pass for each row's logsumexp and top k (kernels/logprobs.py), no float32 copy
-        fused = self.rank == 0 and self.sampler.race_draws and k <= min(MAX_LOGPROBS_FUSED, self.sampler.vocab_size)
         for a in range(0, hidden.size(0), self.PROMPT_LOGPROBS_CHUNK):
             logits = self.model.compute_logits(hidden[a : a + self.PROMPT_LOGPROBS_CHUNK], all_rows=True)
             if self.rank != 0:
                 continue
-            scored = targets[a : a + logits.size(0), None]
-            if fused:
-                from nanovllm.layers.kernels.logprobs import logprob_stats
-                lse, values, ids = logprob_stats(logits, k)
-                chosen.append(logits.gather(1, scored).squeeze(1).float() - lse)
-                if k:
-                    top_values.append(values - lse.unsqueeze(1))
-                    top_ids.append(ids)
-                continue
-            logprobs = torch.log_softmax(logits.float(), -1)
-            chosen.append(logprobs.gather(1, scored).squeeze(1))
+            values, ids, scored = self.sampler.logprobs(logits, k, targets[a : a + logits.size(0)])
+            chosen.append(scored)
             if k:
-                top = logprobs.topk(k, -1)
-                top_values.append(top.values)
-                top_ids.append(top.indices)
+                top_values.append(values)
+                top_ids.append(ids)
         if self.rank != 0:
             return None
         chosen = torch.cat(chosen).tolist() if chosen else []

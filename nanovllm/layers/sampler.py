@@ -121,8 +121,7 @@ class Sampler(nn.Module):
         top ids [batch, k], sampled token's logprob [batch]) from the raw distribution (with the grammar's
         constraint applied, as in vLLM: tokens it forbids have logprob -inf)."""
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
-        # logprobs from one kernel pass over the logits as they are (CUDA, compiled), else torch over float32
-        fused_logprobs = self.race_draws and 0 <= st.num_logprobs <= min(MAX_LOGPROBS_FUSED, logits.size(1))
+        fused_logprobs = self._fused_logprobs(st.num_logprobs, logits.size(1))
         if (st.num_logprobs >= 0 and not fused_logprobs) or st.processors or filtered:
             logits = logits.float()  # (argmax and the race read 16-bit logits as they are: no float32 copy)
         for processor, state in st.processors:
@@ -157,16 +156,26 @@ class Sampler(nn.Module):
             processor.update(state, tokens)
         if raw is None:
             return tokens, None
-        # logprob = logit - logsumexp: the top k and the sampled token's, without a [batch, vocab] log_softmax
-        if fused_logprobs:
+        return tokens, self.logprobs(raw, st.num_logprobs, tokens)
+
+    def _fused_logprobs(self, k: int, vocab: int) -> bool:
+        """Logprobs from one kernel pass over the logits as they are (CUDA, compiled), else torch over float32."""
+        return self.race_draws and 0 <= k <= min(MAX_LOGPROBS_FUSED, vocab)
+
+    def logprobs(self, raw: torch.Tensor, k: int, targets: torch.Tensor):
+        """(top k logprobs [rows, k] or None for k = 0, their ids, the targets' logprobs [rows]) of raw logits
+        [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax); the sampler's tokens and the
+        prompt tokens that prompt_logprobs scores."""
+        if self._fused_logprobs(k, raw.size(1)):
             from nanovllm.layers.kernels.logprobs import logprob_stats
-            lse, top_values, top_ids = logprob_stats(raw, st.num_logprobs)
+            lse, top_values, top_ids = logprob_stats(raw, k)
         else:
+            raw = raw.float()
             lse = torch.logsumexp(raw, -1)
-            top = raw.topk(st.num_logprobs, -1) if st.num_logprobs > 0 else None
+            top = raw.topk(k, -1) if k > 0 else None
             top_values, top_ids = (top.values, top.indices) if top else (None, None)
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).float() - lse
-        return tokens, (top_values - lse.unsqueeze(1) if top_values is not None else None, top_ids, chosen)
+        chosen = raw.gather(1, targets.unsqueeze(1)).squeeze(1).float() - lse
+        return top_values - lse.unsqueeze(1) if top_values is not None else None, top_ids, chosen
 
 
 def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):
