@@ -228,7 +228,8 @@ def test_kernels_compile_for_hopper():
                                        (torch.float32, 64, 1, None), (torch.bfloat16, 128, 2, "*fp8e4nv"),
                                        (torch.bfloat16, 128, 2, "*fp8e5")]:
         t = "bf16" if dtype == torch.bfloat16 else "fp32"
-        for v_token_major, batch in ((False, 256), (True, 256), (True, 16)) if kv else ((False, 256), (False, 16)):
+        for v_token_major, batch in ((False, 256), (True, 256), (True, 16)) if kv else ((False, 256), (False, 16),
+                                                                                      (False, 1)):
             # (the engine's fp8 V is token-major; the small-batch tile and split too)
             block_n, warps, stages = decode._decode_config(head_dim, dtype, kv is not None, v_token_major, batch)
             split_tiles = decode.decode_splits(batch, 8, 4096, block_n, torch.device("cpu"), quant=kv is not None)[1]
@@ -239,7 +240,7 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True,
+                     V_TOKEN_MAJOR=v_token_major, PDL=True, EARLY=batch == 1,  # (the L2 prefetch at one row)
                      **decode.split_constants(group, 256, block_n, split_tiles)),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
@@ -283,7 +284,7 @@ def test_elementwise_kernels_compile_for_hopper():
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True, SPLIT=gemv.gemv_split_k(rows, n, k, block_n, block_k,
                                                                     torch.device("cpu"), swap) > 1,
-                                 SWAP=swap, TRIGGER=True),
+                                 SWAP=swap, PDL=True),
                             num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
@@ -533,6 +534,108 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
+    """Two decoder layers' kernels at decode shapes (Qwen3-0.6B), each reading what the one before wrote: launched
+    under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, at one row decode attention with
+    its early L2 prefetch), replayed as a CUDA graph with new inputs, they give the bits of plain launches. A kernel
+    that read before the one before it had finished would not."""
+    from nanovllm.layers.kernels import activation, decode, gemv, norm, rope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from tests.triton_kernel_checks import block_tables_for, random_cache
+    torch.manual_seed(rows)
+    hidden, heads, kv_heads, head_dim, inter, block_size, width, eps = 1024, 16, 8, 128, 3072, 256, 16, 1e-6
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+
+    def weight(n, k):
+        return torch.randn(n, k, **bf16) * k ** -0.5
+    layers = [(weight((heads + 2 * kv_heads) * head_dim, hidden), weight(hidden, heads * head_dim),
+               weight(2 * inter, hidden), weight(hidden, inter)) for _ in range(2)]
+    nw, q_w, k_w = torch.rand(hidden, **bf16) + 0.5, torch.rand(head_dim, **bf16) + 0.5, torch.rand(head_dim, **bf16)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to("cuda").cos_sin_cache
+    start = [random_cache(rows * width, block_size, kv_heads, head_dim, torch.bfloat16, "cuda") for _ in layers]
+    caches = [(k.clone(), v.clone()) for k, v in start]
+    x, res = torch.empty(rows, hidden, **bf16), torch.empty(rows, hidden, **bf16)
+    lens = torch.empty(rows, dtype=torch.int32, device="cuda")
+    tables = torch.full((rows, width), -1, dtype=torch.int32, device="cuda")
+    positions = torch.empty(rows, dtype=torch.int64, device="cuda")
+    slots = torch.empty(rows, dtype=torch.int32, device="cuda")
+    early = []
+    launched_early = decode.launched_early
+    monkeypatch.setattr(decode, "launched_early", lambda *a: early.append(launched_early(*a)) or early[-1])
+
+    def step():
+        h, r = norm.add_rms_norm(x, res, nw, eps)
+        for (w_qkv, w_o, w_gate_up, w_down), (k_cache, v_cache) in zip(layers, caches):
+            qkv = gemv.gemv(h, w_qkv)
+            q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
+            k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+            rope.qk_norm_rope_(q, k, positions, cos_sin, q_w, k_w, eps, store=(v, k_cache, v_cache, slots))
+            o = decode.decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5)
+            h, r = norm.add_rms_norm(gemv.gemv(o.view(rows, -1), w_o), r, nw, eps)
+            h = gemv.gemv(activation.silu_and_mul(gemv.gemv(h, w_gate_up)), w_down)
+            h, r = norm.add_rms_norm(h, r, nw, eps)
+        return h, r
+
+    def inputs(i):  # new contexts (the new token last), tables, slots and hidden states; the caches as at start
+        gen = torch.manual_seed(100 * rows + i)  # (block_tables_for draws from the global generator)
+        new_lens = torch.randint(1, 900, (rows,), generator=gen)
+        table = block_tables_for(new_lens.tolist(), block_size, rows * width, "cuda")
+        tables.fill_(-1)
+        tables[:, :table.size(1)] = table
+        lens.copy_(new_lens)
+        positions.copy_(new_lens - 1)
+        last = (new_lens - 1).to("cuda")
+        slots.copy_(table.gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size)
+        x.copy_(torch.randn(rows, hidden, generator=gen).to(x))
+        res.copy_(torch.randn(rows, hidden, generator=gen).to(res))
+        for (k, v), (k0, v0) in zip(caches, start):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    inputs(0)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert early and all(e == (rows == 1) for e in early)  # decode attention launched early at one row only
+    got = []
+    for i in range(3):
+        inputs(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        got.append([t.clone() for t in (*out, *caches[0], *caches[1])])
+    for module in (activation, decode, gemv, norm, rope):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: False)
+    for i in range(3):
+        inputs(i)
+        want = [*step(), *caches[0], *caches[1]]
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want)), f"replay {i}"
+
+
+def test_decode_launched_early_where_the_grid_fits(monkeypatch):
+    # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block, and a grid that
+    # is resident at once (an H200's 132 SMs off-GPU): the engine's batch 1, not batch 16 (4,096 programs)
+    from nanovllm.layers.kernels import decode
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert not decode.launched_early(256, 2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
+    monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
+    splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 16)}
+    assert splits == {1: (32, 2), 16: (32, 2)}
+    assert decode.launched_early(1 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(16 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
+    assert decode.launched_early(528, 1, 256, 64, 128, bf16, cpu) and not decode.launched_early(
+        529, 1, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(256, 2, 256, 64, 128, torch.float8_e4m3fn, cpu)  # fp8
+    assert not decode.launched_early(256, 2, 256, 64, 128, torch.float32, cpu)  # (128-byte lines of 64 values)
+    assert not decode.launched_early(256, 0, 256, 64, 128, bf16, cpu)  # equal runs (tests' num_splits)
+    assert not decode.launched_early(256, 4, 256, 64, 128, bf16, cpu)  # more tiles than the prefetch covers
+    assert not decode.launched_early(256, 2, 64, 64, 128, bf16, cpu)  # a split across blocks
 
 
 def test_decode_split_lengths():

@@ -41,14 +41,15 @@ ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slic
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                  stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
-                 TRIGGER: tl.constexpr = False):
+                 PDL: tl.constexpr = False):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
     up, writes y and sets the counter back to zero (no second kernel, no zeroed output). The split count is a
     run-time value: one compiled kernel for every count."""
-    if TRIGGER:  # the small kernel after this one (norm, SiLU, rotary) may launch now and wait (kernels/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # launched early (kernels/pdl.py): the small kernel after this one (norm, SiLU, rotary) may launch
+        tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
+        tl.extra.cuda.gdc_wait()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -257,6 +258,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, SWAP=swap, num_warps=warps,
-        TRIGGER=pdl_enabled(x.device),
-        num_stages=stages)
+        PDL=pdl_enabled(x.device), num_stages=stages, **({"launch_pdl": True} if pdl_enabled(x.device) else {}))
     return y

@@ -58,6 +58,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                          FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched early (kernels/pdl.py): wait for the qkv projection before reading or writing anything
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # decode attention may launch and prefetch (kernels/decode.py)
     token, chunk = tl.program_id(0), tl.program_id(1)
     q_chunks = tl.cdiv(num_q_heads, BLOCK_HQ)
     together = tl.num_programs(1) == 1  # one program rotates all the token's heads (q, then k)
