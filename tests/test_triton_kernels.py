@@ -543,9 +543,11 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, at one row decode attention with
     its early L2 prefetch), replayed as a CUDA graph with new inputs, they give the bits of plain launches. A kernel
     that read before the one before it had finished would not."""
-    from nanovllm.layers.kernels import activation, decode, gemv, norm, rope
+    from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from tests.triton_kernel_checks import block_tables_for, random_cache
+    if not pdl.pdl_enabled(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch here (before Hopper, or NANOVLLM_PDL=0)")
     torch.manual_seed(rows)
     hidden, heads, kv_heads, head_dim, inter, block_size, width, eps = 1024, 16, 8, 128, 3072, 256, 16, 1e-6
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -620,13 +622,15 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
 
 def test_decode_launched_early_where_the_grid_fits(monkeypatch):
     # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block, and a grid that
-    # is resident at once (an H200's 132 SMs off-GPU): the engine's batch 1, not batch 16 (4,096 programs)
+    # is resident at once (an H200's 132 SMs off-GPU): the engine's batch 1 at a max_model_len of 4,096, not batch
+    # 16 (4,096 programs); past 8,192 tokens a split holds 3 tiles
     from nanovllm.layers.kernels import decode
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert not decode.launched_early(256, 2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
     monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
     splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 16)}
     assert splits == {1: (32, 2), 16: (32, 2)}
+    assert decode.decode_splits(1, 8, 8192, 64, cpu) == (64, 2) and decode.decode_splits(1, 8, 8448, 64, cpu)[1] == 3
     assert decode.launched_early(1 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
     assert not decode.launched_early(16 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
     assert decode.launched_early(528, 1, 256, 64, 128, bf16, cpu) and not decode.launched_early(

@@ -294,9 +294,11 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major
 def launched_early(programs: int, split_tiles: int, block_size: int, block_n: int, head_dim: int,
                    cache_dtype: torch.dtype, device: torch.device) -> bool:
     """Launch the kernel under PDL, asking L2 for each split's K/V before it waits for the rotary kernel: for a
-    16-bit cache (not fp8, not float32) in fixed splits of at most two tiles inside one block, where the whole grid
-    is resident at once (early programs then hold no slot a running one needs). On one H200 (docs/benchmarks.md)
-    batch 1 went from 0.77 to 0.74 ms/token; batch 16 (4,096 programs, most of them empty) lost 0.03-0.06 ms."""
+    16-bit cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most
+    two tiles inside one block, where the whole grid is resident at once (early programs then hold no slot a
+    running one needs). On one H200 (docs/benchmarks.md) batch 1 went from 0.77 to 0.74 ms/token; batch 16 (4,096
+    programs, most of them empty) lost 0.03-0.06 ms. The engine's batch 1 qualifies up to a max_model_len of 8,192
+    (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits)."""
     return (pdl_enabled(device) and cache_dtype.itemsize == 2 and split_tiles in (1, 2)
             and block_size % (split_tiles * block_n) == 0
             and head_dim % 64 == 0 and programs <= PROGRAMS_PER_SM * sm_count(device))
@@ -345,8 +347,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_m = part_l = part_acc = out  # unused
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
-    early = launched_early(batch * num_kv_heads * num_splits, split_tiles, block_size, block_n, head_dim,
-                           k_cache.dtype, q.device)
+    early = v_cache.stride(-1) == 1 and launched_early(batch * num_kv_heads * num_splits, split_tiles, block_size,
+                                                       block_n, head_dim, k_cache.dtype, q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, counters, context_lens, block_tables,

@@ -47,7 +47,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
     up, writes y and sets the counter back to zero (no second kernel, no zeroed output). The split count is a
     run-time value: one compiled kernel for every count."""
-    if PDL:  # launched early (kernels/pdl.py): the small kernel after this one (norm, SiLU, rotary) may launch
+    if PDL:  # launched early (kernels/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)

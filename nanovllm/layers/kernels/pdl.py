@@ -6,16 +6,18 @@ it reads anything that kernel wrote or writes anything (a buffer it writes may b
 Launched this way:
 - the one-row linear kernel (gemv.py), which loads its slice of W (no kernel writes it) before gdc_wait, so a
   batch-1 step reads the next layer's weights while the current kernel finishes;
-- the small kernels between the linear layers (RMSNorm, SiLU-and-mul, q/k norm + rotary) and the 2-16-row linear
-  kernel, which wait first thing: their launch overlaps the kernel before instead of following it (batch 16 on one
-  H200: 1.41 -> 1.33 ms/token for the small kernels, 1.335 -> 1.27 for the linear kernel; docs/benchmarks.md);
+- the small kernels between the linear layers (RMSNorm, SiLU-and-mul, q/k norm + rotary) and the general linear
+  kernel of gemv.py (2-16 rows, and one row past ROW_MAX_K; the LM head and MoE router too), which wait first
+  thing: their launch overlaps the kernel before instead of following it (batch 16 on one H200: 1.41 -> 1.33
+  ms/token for the small kernels, 1.335 -> 1.27 for the linear kernel; docs/benchmarks.md);
 - decode attention where its whole grid is resident at once (batch 1), which asks L2 for its K/V before it waits
   (decode.launched_early).
 Each triggers its dependents as it starts, or (the small kernels, early decode attention) once its wait is over.
 The eighth session found the 2-16-row kernel slower under PDL, when the kernels before it did not trigger early;
 loading its first W tile before the wait lost too (docs/benchmarks.md). benchmarks/kernel_chain.py measures a
-launch's cost on a GPU. Both calls are no-ops in a kernel not launched that way. CUDA graphs keep the launch
-attribute."""
+launch's cost on a GPU. gdc_wait is a no-op in a kernel not launched that way; gdc_launch_dependents there
+still lets a kernel after it that is launched under PDL start early (decode attention at batch 16 and o_proj). CUDA
+graphs keep the launch attribute."""
 import functools
 import os
 
