@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
 #   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
-#                                 profile_fp8|ncu|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
+#                                 profile_fp8|ncu|ncu_small|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench|tp_profile|dp2|moe_tp2|tp4_bench|dp4|dp2_tp2|multi2|multi4]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
 # One device call runs at most 10 minutes: pass the steps of one call (tests; bench; kernels sampling; ...).
@@ -117,6 +117,13 @@ if has ncu; then  # hardware counters of one decode launch, bf16 and fp8, bench-
       --section InstructionStats python3 benchmarks/decode_tiles.py --once --kv-cache-dtype $kv --shapes 256xbench \
       --configs default
   done
+fi
+if has ncu_small; then  # the same counters at batch 16, contexts of 640 tokens (#14's batch-16 row)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  TAIL=3 step ncu_small 200 "$NCU" --clock-control none --kernel-name regex:_decode_kernel --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/decode_tiles.py --once \
+    --kv-cache-dtype auto --shapes 16x640 --configs default
 fi
 if has profile; then  # kernel time per step (torch.profiler): decode at several batch sizes, a 16k-token prefill
   TAIL=40 step profile 300 python3 benchmarks/profile_step.py --cases decode:256:100-1024 decode:16:512 \
