@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 
 
 @triton.jit
@@ -43,7 +43,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
                                                                BLOCK=block, PDL=pdl_enabled(x.device),
-                                                               num_warps=4,
-                                                               **({"launch_pdl": True} if pdl_enabled(x.device)
-                                                                  else {}))
+                                                               num_warps=4, **pdl_launch(pdl_enabled(x.device)))
     return out

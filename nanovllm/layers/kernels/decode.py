@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
-from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 from nanovllm.layers.kernels.scratch import scratch
 
 LOG2E = 1.4426950408889634
@@ -361,6 +361,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
         **split_constants(group, block_size, block_n, split_tiles), num_warps=warps, num_stages=stages,
-        EARLY=early, **({"launch_pdl": True} if early else {}),
+        EARLY=early, **pdl_launch(early),
     )
     return out

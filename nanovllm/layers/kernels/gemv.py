@@ -26,7 +26,7 @@ import triton.language as tl
 from nanovllm.layers.kernels import activation
 from nanovllm.layers.kernels import norm as norm_kernels
 from nanovllm.layers.kernels.decode import sm_count, split_counters
-from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 from nanovllm.layers.kernels.scratch import scratch
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
@@ -239,7 +239,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
             res_out, n, k, weight.stride(0), norm[1] if norm is not None else 0.0, BLOCK_N=block_n, BLOCK_K=block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
-            num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+            num_warps=warps, **pdl_launch(pdl))
         return (y, res_out) if res_out is not y else y
     if config is None:
         swap = swapped(m, n, k, x.device, x.dtype)
@@ -258,5 +258,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, SWAP=swap, num_warps=warps,
-        PDL=pdl_enabled(x.device), num_stages=stages, **({"launch_pdl": True} if pdl_enabled(x.device) else {}))
+        PDL=pdl_enabled(x.device), num_stages=stages, **pdl_launch(pdl_enabled(x.device)))
     return y

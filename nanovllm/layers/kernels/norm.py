@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                   res_out.stride(0), n, eps, ADD=residual is not None, BLOCK=block,
                                   PDL=pdl_enabled(x.device), num_warps=min(8, max(1, block // 256)),
-                                  **({"launch_pdl": True} if pdl_enabled(x.device) else {}))
+                                  **pdl_launch(pdl_enabled(x.device)))
     return out.view(shape), res_out.view(shape)
 
 

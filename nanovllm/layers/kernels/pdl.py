@@ -30,3 +30,8 @@ def pdl_enabled(device: torch.device) -> bool:
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
             and os.environ.get("NANOVLLM_PDL", "1") != "0")
 
+
+def pdl_launch(on: bool) -> dict:
+    """A kernel launch's keyword for programmatic dependent launch: {"launch_pdl": True} when on, else nothing (so
+    launches where PDL is off pass Triton no option it may not know)."""
+    return {"launch_pdl": True} if on else {}

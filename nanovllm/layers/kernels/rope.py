@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.pdl import pdl_enabled
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 from nanovllm.layers.kernels.store_kvcache import row_scale, to_fp8
 
 
@@ -155,6 +155,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
-        PDL=pdl_enabled(q.device), **({"launch_pdl": True} if pdl_enabled(q.device) else {}),
+        PDL=pdl_enabled(q.device), **pdl_launch(pdl_enabled(q.device)),
     )
     return q, k
