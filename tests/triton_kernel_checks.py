@@ -743,7 +743,7 @@ def test_penalties_kernel():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_logprob_stats_kernel(dtype):
     check_logprob_stats(3, 5000, 5, dtype)  # five vocabulary chunks a row
-    check_logprob_stats(2, 4099, 20, dtype, masked=0.5)  # a last chunk shorter than k; half the logits -inf
+    check_logprob_stats(2, 4099, 20, dtype, masked=0.5)  # 4 chunks, the last takes the 3 ids left over; half -inf
     check_logprob_stats(2, 2000, 32, dtype, ties=True)  # MAX_K, many ties
     check_logprob_stats(2, 3000, 1, dtype)
     check_logprob_stats(2, 3000, 0, dtype)  # the logsumexp alone
