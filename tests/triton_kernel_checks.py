@@ -345,7 +345,8 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     assert race_chunks(whole, vocab, dev)[0] == 1 and race_chunks(3, vocab, dev)[0] > 1
     temps = torch.full((whole, 1), 0.7, device=device)
     picks = race(logits.expand(whole, -1).contiguous(), temps, seed=seed)
-    assert torch.equal(picks, race(logits.expand(whole, -1).contiguous(), temps, seed=seed))
+    if dev.type != "cpu":  # (the interpreter runs one program at a time: a rerun has nothing to race, and took 30 s)
+        assert torch.equal(picks, race(logits.expand(whole, -1).contiguous(), temps, seed=seed))
     assert torch.equal(picks[:3], race(logits.expand(3, -1).contiguous(), temps[:3], seed=seed))  # split rows
     picks, temps = picks[:rows], temps[:rows]
     assert torch.isin(picks, where.to(device)).all()
@@ -353,8 +354,9 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     p = torch.softmax(values.double() / 0.7, 0)
     assert counts[4] == 0
     assert ((counts - rows * p).abs() <= 5 * (rows * p * (1 - p)).sqrt() + 1).all(), (counts, rows * p)
-    other = race(logits.expand(rows, -1).contiguous(), temps, seed=seed + 1)
-    assert not torch.equal(picks, other)
+    few = min(rows, 64)  # another seed draws other tokens (64 rows all alike by chance: below 1e-20)
+    other = race(logits.expand(few, -1).contiguous(), temps[:few], seed=seed + 1)
+    assert not torch.equal(picks[:few], other)
 
 
 @triton.jit
@@ -466,10 +468,11 @@ class _Seq:
         self.num_completion_tokens, self.is_finished, self.generator = 0, False, None
 
 
-def check_sampler_seeded_rows(device="cpu", vocab: int = 3000):
+def check_sampler_seeded_rows(device="cpu", vocab: int = 3000, positions: int = 20):
     """The sampler with the race kernel: a seeded row's token is the same alone and in a batch whatever the other
     rows ask for (top-k / top-p or not, another seed, greedy), on both paths (the kernel's race; exp_draws for the
-    filtered path); its sample index and its position change it."""
+    filtered path); its sample index and its position change it. Over `positions` positions (each about 27 sampler
+    calls)."""
     from nanovllm.layers.sampler import Sampler
     from nanovllm.sampling_params import SamplingParams
     sampler = Sampler(vocab, device=device)
@@ -489,16 +492,16 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000):
         return sampler(batch, st, gen)[0][at].item()
     for seeded in (SamplingParams(temperature=1.0, seed=123), SamplingParams(temperature=1.0, seed=123, top_k=40),
                    SamplingParams(temperature=1.0, seed=123, top_p=0.9)):
-        alone = [pick([seeded], seeded, [p]) for p in range(10, 30)]
+        alone = [pick([seeded], seeded, [p]) for p in range(10, 10 + positions)]
         assert len(set(alone)) > 3, alone  # every position its own draws
         for other in others:
-            assert [pick([other, seeded], seeded, [5, p]) for p in range(10, 30)] == alone, other
-        assert [pick([seeded, others[1]], seeded, [p, 5]) for p in range(10, 30)] == alone
-        assert [pick([seeded], seeded, [p], sample_index=1) for p in range(10, 30)] != alone
+            assert [pick([other, seeded], seeded, [5, p]) for p in range(10, 10 + positions)] == alone, other
+        assert [pick([seeded, others[1]], seeded, [p, 5]) for p in range(10, 10 + positions)] == alone
+        assert [pick([seeded], seeded, [p], sample_index=1) for p in range(10, 10 + positions)] != alone
         sampler.use_compiled(False)  # eager on CUDA: keyed all the same (exp_draws), so the same tokens
         sampler.keyed = True
-        assert [pick([seeded], seeded, [p]) for p in range(10, 30)] == alone
-        assert [pick([others[0], seeded], seeded, [5, p]) for p in range(10, 30)] == alone
+        assert [pick([seeded], seeded, [p]) for p in range(10, 10 + positions)] == alone
+        assert [pick([others[0], seeded], seeded, [5, p]) for p in range(10, 10 + positions)] == alone
         sampler.use_compiled(True)
     # seeds wrap into 64 bits: sample 1 of seed 2**64 - 1 is sample 0 of seed 0; seed 2**63 is key -2**63
     wrapped = SamplingParams(temperature=1.0, seed=2**64 - 1)
@@ -733,7 +736,7 @@ def test_race_keys_follow_softmax():
 
 
 def test_race_sampler_seeded_rows():
-    check_sampler_seeded_rows()
+    check_sampler_seeded_rows(positions=8)  # (20 on the GPU; 8 took the interpreter from 69 to about 30 s)
 
 
 def test_penalties_kernel():
