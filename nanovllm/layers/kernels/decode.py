@@ -296,9 +296,9 @@ def launched_early(programs: int, split_tiles: int, block_size: int, block_n: in
     """Launch the kernel under PDL, asking L2 for each split's K/V before it waits for the rotary kernel: for a
     16-bit cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most
     two tiles inside one block, where the whole grid is resident at once (early programs then hold no slot a
-    running one needs). On one H200 (docs/benchmarks.md) batch 1 went from 0.77 to 0.74 ms/token and batch 2 from
-    1.09 to 0.98; batch 16 (4,096 programs, most of them empty) lost 0.03-0.06 ms. The engine's batch 1 qualifies
-    up to a max_model_len of 8,192 (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits)."""
+    running one needs). On one H200 (docs/benchmarks.md) batch 1 went from 0.77 to 0.74 ms/token; batch 16 (4,096
+    programs, most of them empty) lost 0.03-0.06 ms. The engine's batch 1 qualifies up to a max_model_len of 8,192
+    (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits), batch 2 at 4,096 on an H200."""
     return (pdl_enabled(device) and cache_dtype.itemsize == 2 and split_tiles in (1, 2)
             and block_size % (split_tiles * block_n) == 0
             and head_dim % 64 == 0 and programs <= PROGRAMS_PER_SM * sm_count(device))
