@@ -624,17 +624,20 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
 
 def test_decode_launched_early_where_the_grid_fits(monkeypatch):
     # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block, and a grid that
-    # is resident at once (an H200's 132 SMs off-GPU): the engine's batch 1 at a max_model_len of 4,096, not batch
-    # 16 (4,096 programs); past 8,192 tokens a split holds 3 tiles
+    # is resident at once (an H200's 132 SMs off-GPU): the engine's batches 1 and 2 at a max_model_len of 4,096 (256
+    # and 512 programs), not 3 (768) nor 16 (4,096); past 8,192 tokens a split holds 3 tiles
     from nanovllm.layers.kernels import decode
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert not decode.launched_early(256, 2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
     monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
-    splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 16)}
-    assert splits == {1: (32, 2), 16: (32, 2)}
+    splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 2, 3, 16)}
+    assert splits == {1: (32, 2), 2: (32, 2), 3: (32, 2), 16: (32, 2)}
     assert decode.decode_splits(1, 8, 8192, 64, cpu) == (64, 2) and decode.decode_splits(1, 8, 8448, 64, cpu)[1] == 3
     assert decode.launched_early(1 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
+    assert decode.launched_early(2 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(3 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
     assert not decode.launched_early(16 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(2 * 8 * 64, 2, 256, 64, 128, bf16, cpu)  # batch 2 at max_model_len 8,192
     assert decode.launched_early(528, 1, 256, 64, 128, bf16, cpu) and not decode.launched_early(
         529, 1, 256, 64, 128, bf16, cpu)
     assert not decode.launched_early(256, 2, 256, 64, 128, torch.float8_e4m3fn, cpu)  # fp8
