@@ -493,18 +493,19 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000, positions: int = 
         at = rows.index(seeded)
         batch = logits[:1] if len(rows) == 1 else logits[:2] if at == 0 else logits[[1, 0]]
         return sampler(batch, st, gen)[0][at].item()
+    pos_range = range(10, 10 + positions)
     for seeded in (SamplingParams(temperature=1.0, seed=123), SamplingParams(temperature=1.0, seed=123, top_k=40),
                    SamplingParams(temperature=1.0, seed=123, top_p=0.9)):
-        alone = [pick([seeded], seeded, [p]) for p in range(10, 10 + positions)]
+        alone = [pick([seeded], seeded, [p]) for p in pos_range]
         assert len(set(alone)) > 3, alone  # every position its own draws
         for other in others:
-            assert [pick([other, seeded], seeded, [5, p]) for p in range(10, 10 + positions)] == alone, other
-        assert [pick([seeded, others[1]], seeded, [p, 5]) for p in range(10, 10 + positions)] == alone
-        assert [pick([seeded], seeded, [p], sample_index=1) for p in range(10, 10 + positions)] != alone
+            assert [pick([other, seeded], seeded, [5, p]) for p in pos_range] == alone, other
+        assert [pick([seeded, others[1]], seeded, [p, 5]) for p in pos_range] == alone
+        assert [pick([seeded], seeded, [p], sample_index=1) for p in pos_range] != alone
         sampler.use_compiled(False)  # eager on CUDA: keyed all the same (exp_draws), so the same tokens
         sampler.keyed = True
-        assert [pick([seeded], seeded, [p]) for p in range(10, 10 + positions)] == alone
-        assert [pick([others[0], seeded], seeded, [5, p]) for p in range(10, 10 + positions)] == alone
+        assert [pick([seeded], seeded, [p]) for p in pos_range] == alone
+        assert [pick([others[0], seeded], seeded, [5, p]) for p in pos_range] == alone
         sampler.use_compiled(True)
     # seeds wrap into 64 bits: sample 1 of seed 2**64 - 1 is sample 0 of seed 0; seed 2**63 is key -2**63
     wrapped = SamplingParams(temperature=1.0, seed=2**64 - 1)

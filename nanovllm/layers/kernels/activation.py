@@ -40,8 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    block = min(1024, triton.next_power_of_2(inter))
+    block, pdl = min(1024, triton.next_power_of_2(inter)), pdl_enabled(x.device)
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                               BLOCK=block, PDL=pdl_enabled(x.device),
-                                                               num_warps=4, **pdl_launch(pdl_enabled(x.device)))
+                                                               BLOCK=block, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out

@@ -254,9 +254,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         counters = split_counters(x.device, triton.cdiv(n, block_n))
     else:
         part, counters = y, y  # unused
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, SWAP=swap, num_warps=warps,
-        PDL=pdl_enabled(x.device), num_stages=stages, **pdl_launch(pdl_enabled(x.device)))
+        PDL=pdl, num_stages=stages, **pdl_launch(pdl))
     return y

@@ -46,11 +46,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if res.stride(-1) != 1:
         res = res.contiguous()
     if rows:
-        block = triton.next_power_of_2(n)
+        block, pdl = triton.next_power_of_2(n), pdl_enabled(x.device)
         _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                   res_out.stride(0), n, eps, ADD=residual is not None, BLOCK=block,
-                                  PDL=pdl_enabled(x.device), num_warps=min(8, max(1, block // 256)),
-                                  **pdl_launch(pdl_enabled(x.device)))
+                                  PDL=pdl, num_warps=min(8, max(1, block // 256)), **pdl_launch(pdl))
     return out.view(shape), res_out.view(shape)
 
 

@@ -145,6 +145,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     else:
         block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
         chunks, warps = 1, 4
+    pdl = pdl_enabled(q.device)
     _qk_norm_rope_kernel[(tokens, chunks)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, v, k_cache, v_cache,
         k_scale, v_scale, slots,
@@ -155,6 +156,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
-        PDL=pdl_enabled(q.device), **pdl_launch(pdl_enabled(q.device)),
+        PDL=pdl, **pdl_launch(pdl),
     )
     return q, k
