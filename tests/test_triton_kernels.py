@@ -242,7 +242,8 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True, EARLY=batch == 1,  # (the L2 prefetch at one row)
+                     V_TOKEN_MAJOR=v_token_major, PDL=True, EARLY=batch <= 16 and not kv,  # (the L2 prefetch)
+                     PREFETCH_TILES={1: 2, 16: 1}.get(batch, 0) if not kv else 0,
                      **decode.split_constants(group, 256, block_n, split_tiles)),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
@@ -542,9 +543,10 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 16])
 def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     """Two decoder layers' kernels at decode shapes (Qwen3-0.6B), each reading what the one before wrote: launched
-    under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, at one row decode attention with
-    its early L2 prefetch), replayed as a CUDA graph with new inputs, they give the bits of plain launches. A kernel
-    that read before the one before it had finished would not."""
+    under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, decode attention with its early
+    L2 prefetch: at 16 rows 4,096 programs, most without keys, which leave before the wait), replayed as a CUDA
+    graph with new inputs, they give the bits of plain launches. A kernel that read before the one before it had
+    finished would not."""
     from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from tests.triton_kernel_checks import block_tables_for, random_cache
@@ -607,7 +609,7 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    assert early and all(e == (rows == 1) for e in early)  # decode attention launched early at one row only
+    assert early and all(early)  # decode attention launched early (at 1 and 16 rows)
     got = []
     for i in range(3):
         inputs(i)
@@ -622,29 +624,29 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got[i], want)), f"replay {i}"
 
 
-def test_decode_launched_early_where_the_grid_fits(monkeypatch):
-    # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block, and a grid that
-    # is resident at once (an H200's 132 SMs off-GPU): the engine's batches 1 and 2 at a max_model_len of 4,096 (256
-    # and 512 programs), not 3 (768) nor 16 (4,096); past 8,192 tokens a split holds 3 tiles
+def test_decode_launched_early_and_its_prefetch(monkeypatch):
+    # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block: the engine's
+    # batches 1-16 at a max_model_len of 4,096, not 17 (4-tile splits); past 8,192 tokens batch 1's split holds 3
+    # tiles. Each program asks for all its tiles where the grid is resident at once (an H200's 132 SMs off-GPU:
+    # batches 1 and 2, 256 and 512 programs), else for its first (batch 3, 768; batch 16, 4,096)
     from nanovllm.layers.kernels import decode
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert not decode.launched_early(256, 2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
+    assert not decode.launched_early(2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
     monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
-    splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 2, 3, 16)}
-    assert splits == {1: (32, 2), 2: (32, 2), 3: (32, 2), 16: (32, 2)}
+    splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 2, 3, 16, 17)}
+    assert splits == {1: (32, 2), 2: (32, 2), 3: (32, 2), 16: (32, 2), 17: (16, 4)}
     assert decode.decode_splits(1, 8, 8192, 64, cpu) == (64, 2) and decode.decode_splits(1, 8, 8448, 64, cpu)[1] == 3
-    assert decode.launched_early(1 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
-    assert decode.launched_early(2 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
-    assert not decode.launched_early(3 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
-    assert not decode.launched_early(16 * 8 * 32, 2, 256, 64, 128, bf16, cpu)
-    assert not decode.launched_early(2 * 8 * 64, 2, 256, 64, 128, bf16, cpu)  # batch 2 at max_model_len 8,192
-    assert decode.launched_early(528, 1, 256, 64, 128, bf16, cpu) and not decode.launched_early(
-        529, 1, 256, 64, 128, bf16, cpu)
-    assert not decode.launched_early(256, 2, 256, 64, 128, torch.float8_e4m3fn, cpu)  # fp8
-    assert not decode.launched_early(256, 2, 256, 64, 128, torch.float32, cpu)  # (128-byte lines of 64 values)
-    assert not decode.launched_early(256, 0, 256, 64, 128, bf16, cpu)  # equal runs (tests' num_splits)
-    assert not decode.launched_early(256, 4, 256, 64, 128, bf16, cpu)  # more tiles than the prefetch covers
-    assert not decode.launched_early(256, 2, 64, 64, 128, bf16, cpu)  # a split across blocks
+    assert decode.launched_early(2, 256, 64, 128, bf16, cpu) and decode.launched_early(1, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(4, 256, 64, 128, bf16, cpu)  # batch 17; more tiles than the prefetch covers
+    assert not decode.launched_early(3, 256, 64, 128, bf16, cpu)
+    assert not decode.launched_early(2, 256, 64, 128, torch.float8_e4m3fn, cpu)  # fp8
+    assert not decode.launched_early(2, 256, 64, 128, torch.float32, cpu)  # (128-byte lines of 64 values)
+    assert not decode.launched_early(0, 256, 64, 128, bf16, cpu)  # equal runs (tests' num_splits)
+    assert not decode.launched_early(2, 64, 64, 128, bf16, cpu)  # a split across blocks
+    assert not decode.launched_early(2, 256, 64, 96, bf16, cpu)  # rows not whole 128-byte lines
+    assert [decode.prefetch_tiles(b * 8 * 32, 2, cpu) for b in (1, 2, 3, 16)] == [2, 2, 1, 1]
+    assert decode.prefetch_tiles(528, 2, cpu) == 2 and decode.prefetch_tiles(529, 2, cpu) == 1
+    assert decode.prefetch_tiles(4096, 1, cpu) == 1
 
 
 def test_decode_split_lengths():

@@ -57,17 +57,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                    V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr, SPLIT_IN_BLOCK: tl.constexpr,
-                   MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, EARLY: tl.constexpr = False):
+                   MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, EARLY: tl.constexpr = False,
+                   PREFETCH_TILES: tl.constexpr = 0):
     if PDL and not EARLY:  # the o_proj kernel after this one may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if EARLY:  # launched under PDL while the rotary kernel runs: ask L2 for this split's K/V (that kernel writes
-        # only the new token's row, and L2 is coherent; the registers are full) before waiting for it
-        _prefetch_split(k_cache_ptr, v_cache_ptr, context_lens_ptr, table_ptr, seq, kv_head, split, stride_table,
-                        table_width, split_tiles, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh,
-                        BLOCK_SIZE, BLOCK_N, HEAD_DIM)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table
     if SPLIT_IN_BLOCK:  # the split's tiles lie in one cache block: read its table entry beside the context length,
         # not after it (one memory round trip less before the first K/V load)
@@ -81,7 +75,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)  # empty (end <= start) for padding rows
     direct = context_len <= tiles_per_split * BLOCK_N  # one split holds it all (or context 0: zeros)
     if start >= end and not (direct and split == 0):
-        return
+        return  # (before any wait: the context lengths and tables were written by the host, not a kernel)
+    if EARLY:  # launched under PDL while the rotary kernel (or the qkv projection before it) runs: ask L2 for this
+        # split's K/V (rotary writes only the new token's row, and L2 is coherent) before waiting for it
+        if start < end:
+            _prefetch_split(k_cache_ptr, v_cache_ptr, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt,
+                            stride_vh, split_block, kv_head, start, end, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                            PREFETCH_TILES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -162,25 +164,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
 
 
 @triton.jit
-def _prefetch_split(k_cache_ptr, v_cache_ptr, context_lens_ptr, table_ptr, seq, kv_head, split, stride_table,
-                    table_width, split_tiles, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """prefetch.global.L2 of the K and V rows of a fixed-length split (split_tiles > 0) lying in one cache block:
-    one request per 128-byte line (16-bit rows)."""
-    context_len = tl.load(context_lens_ptr + seq)
-    tokens = split_tiles * BLOCK_N
-    start = split * tokens
-    if start < context_len:
-        first = start // BLOCK_SIZE
-        block = tl.load(table_ptr + seq.to(tl.int64) * stride_table + first, mask=first < table_width,
-                        other=0).to(tl.int64)
-        rows = start % BLOCK_SIZE + tl.arange(0, 2 * BLOCK_N)  # at most two tiles a split here
-        lines = tl.arange(0, HEAD_DIM // 64) * 64  # 64 16-bit values a line
-        live = (tl.arange(0, 2 * BLOCK_N) < tl.minimum(tokens, context_len - start))[:, None] & (lines >= 0)[None, :]
-        k_ptrs = (k_cache_ptr + block * stride_cb + kv_head * stride_ch + rows[:, None].to(tl.int64) * stride_ct
-                  + lines[None, :])
-        v_ptrs = (v_cache_ptr + block * stride_vb + kv_head * stride_vh + rows[:, None].to(tl.int64) * stride_vt
-                  + lines[None, :])
+def _prefetch_split(k_cache_ptr, v_cache_ptr, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh,
+                    block, kv_head, start, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, TILES: tl.constexpr):
+    """prefetch.global.L2 of the K and V rows [start, end) (at most TILES tiles) of a split lying in one cache block
+    (SPLIT_IN_BLOCK): one request per 128-byte line (16-bit rows), a tile at a time."""
+    lines = tl.arange(0, HEAD_DIM // 64) * 64  # 64 16-bit values a line
+    for t in tl.static_range(TILES):
+        offs = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = (offs % BLOCK_SIZE).to(tl.int64)
+        live = (offs < end)[:, None] & (lines >= 0)[None, :]
+        k_ptrs = k_cache_ptr + block * stride_cb + kv_head * stride_ch + rows[:, None] * stride_ct + lines[None, :]
+        v_ptrs = v_cache_ptr + block * stride_vb + kv_head * stride_vh + rows[:, None] * stride_vt + lines[None, :]
         k_ptrs = tl.where(live, k_ptrs, k_cache_ptr)
         v_ptrs = tl.where(live, v_ptrs, v_cache_ptr)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_ptrs], dtype=tl.int32,
@@ -291,17 +286,25 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major
     return (64, 2, 2) if batch <= 16 else (64, 4, 3)
 
 
-def launched_early(programs: int, split_tiles: int, block_size: int, block_n: int, head_dim: int,
-                   cache_dtype: torch.dtype, device: torch.device) -> bool:
-    """Launch the kernel under PDL, asking L2 for each split's K/V before it waits for the rotary kernel: for a
-    16-bit cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most
-    two tiles inside one block, where the whole grid is resident at once (early programs then hold no slot a
-    running one needs). On one H200 (docs/benchmarks.md) batch 1 went from 0.77 to 0.74 ms/token; batch 16 (4,096
-    programs, most of them empty) lost 0.03-0.06 ms. The engine's batch 1 qualifies up to a max_model_len of 8,192
-    (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits), batch 2 at 4,096 on an H200."""
+def launched_early(split_tiles: int, block_size: int, block_n: int, head_dim: int, cache_dtype: torch.dtype,
+                   device: torch.device) -> bool:
+    """Launch the kernel under PDL, asking L2 for each split's K/V before it waits for the rotary kernel (which,
+    past one token, triggers it before its own wait, so the requests overlap the qkv projection too): for a 16-bit
+    cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most two
+    tiles inside one block. Programs with no keys leave before the wait, so the graph bound's empty splits hold no
+    slot. The engine's batches 1-16 qualify at a max_model_len of 4,096 (batch 1 up to 8,192; past it a split holds
+    3 or more 64-key tiles, as MAX_SPLITS caps the splits). On one H200 (docs/benchmarks.md) batch 1 went from 0.77
+    to 0.74 ms/token; batch 16 from 1.27-1.28 to 1.24-1.25 at contexts of 512-640 tokens (1.37 to 1.35 at
+    512-1,024, level at 512-2,560), batch 8 from 1.13-1.16 to 1.10-1.11."""
     return (pdl_enabled(device) and cache_dtype.itemsize == 2 and split_tiles in (1, 2)
-            and block_size % (split_tiles * block_n) == 0
-            and head_dim % 64 == 0 and programs <= PROGRAMS_PER_SM * sm_count(device))
+            and block_size % (split_tiles * block_n) == 0 and head_dim % 64 == 0)
+
+
+def prefetch_tiles(programs: int, split_tiles: int, device: torch.device) -> int:
+    """How many of its tiles an early program asks L2 for: all where the whole grid is resident at once, else the
+    first (batch 16 on one H200, 4,096 programs of which 512-640 hold keys: 1.27-1.28 ms/token asking for both
+    tiles, no better than not launching early, 1.25 for the first; docs/benchmarks.md)."""
+    return split_tiles if programs <= PROGRAMS_PER_SM * sm_count(device) else 1
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
@@ -347,8 +350,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_m = part_l = part_acc = out  # unused
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
-    early = v_cache.stride(-1) == 1 and launched_early(batch * num_kv_heads * num_splits, split_tiles, block_size,
-                                                       block_n, head_dim, k_cache.dtype, q.device)
+    early = v_cache.stride(-1) == 1 and launched_early(split_tiles, block_size, block_n, head_dim, k_cache.dtype,
+                                                       q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, counters, context_lens, block_tables,
@@ -361,6 +364,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
         **split_constants(group, block_size, block_n, split_tiles), num_warps=warps, num_stages=stages,
-        EARLY=early, **pdl_launch(early),
+        EARLY=early, PREFETCH_TILES=prefetch_tiles(batch * num_kv_heads * num_splits, split_tiles, q.device) if early
+        else 0, **pdl_launch(early),
     )
     return out

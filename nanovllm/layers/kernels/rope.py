@@ -48,17 +48,21 @@ def _store_halves(cache_ptr, scale_ptr, x1, x2, rows, step_d, scale_dst, mask_h,
     tl.store(cache_ptr + rows + HALF * step_d, x2, mask=mask_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["trigger_first"])  # (0 or 1: one compiled kernel for both)
 def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                          k_scale_ptr, v_scale_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                          stride_vh, stride_cache, stride_kb, stride_ks, stride_kh_c, stride_vb, stride_vs,
-                         stride_vh_c, stride_vd, stride_sb, stride_sh, num_q_heads, num_k_heads, eps,
+                         stride_vh_c, stride_vd, stride_sb, stride_sh, num_q_heads, num_k_heads, eps, trigger_first,
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
                          STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
                          FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (kernels/pdl.py): wait for the qkv projection before reading or writing anything
+    if PDL:  # launched early (kernels/pdl.py): with trigger_first, early decode attention may launch and ask L2 for
+        # its K/V while the qkv projection runs (kernels/decode.py); then wait for that projection before reading or
+        # writing anything
+        if trigger_first:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # decode attention may launch and prefetch (kernels/decode.py)
+        tl.extra.cuda.gdc_launch_dependents()
     token, chunk = tl.program_id(0), tl.program_id(1)
     q_chunks = tl.cdiv(num_q_heads, BLOCK_HQ)
     together = tl.num_programs(1) == 1  # one program rotates all the token's heads (q, then k)
@@ -153,6 +157,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         *(k_cache.stride()[:3] if store is not None else (0, 0, 0)), *(v_cache.stride() if store is not None else
                                                                       (0, 0, 0, 0)),
         *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, num_k_heads, eps,
+        int(tokens > 1),  # trigger_first past one token: batch 1 lost 0.01-0.03 ms/token with it (docs/benchmarks.md)
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
