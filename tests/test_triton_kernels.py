@@ -242,8 +242,9 @@ def test_kernels_compile_for_hopper():
                 | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")},
                 dict(GROUP=group, BLOCK_G=max(16, group), BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", QUANT=kv is not None,
-                     V_TOKEN_MAJOR=v_token_major, PDL=True, EARLY=batch <= 16 and not kv,  # (the L2 prefetch)
-                     PREFETCH_TILES={1: 2, 16: 1}.get(batch, 0) if not kv else 0,
+                     V_TOKEN_MAJOR=v_token_major, PDL=True,  # early (the L2 prefetch) as launched_early says:
+                     EARLY=batch <= 16 and not kv and dtype != torch.float32,
+                     PREFETCH_TILES={1: 2, 16: 1}.get(batch, 0) if not kv and dtype != torch.float32 else 0,
                      **decode.split_constants(group, 256, block_n, split_tiles)),
                 num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
@@ -626,8 +627,8 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
 
 def test_decode_launched_early_and_its_prefetch(monkeypatch):
     # under PDL with the L2 prefetch: a 16-bit cache in fixed splits of 1-2 tiles inside a block: the engine's
-    # batches 1-16 at a max_model_len of 4,096, not 17 (4-tile splits); past 8,192 tokens batch 1's split holds 3
-    # tiles. Each program asks for all its tiles where the grid is resident at once (an H200's 132 SMs off-GPU:
+    # batches 1-16 (8 KV heads) at a max_model_len of 4,096, not 17 (4-tile splits); past 8,192 tokens their splits
+    # hold 3 tiles. Each program asks for all its tiles where the grid is resident at once (an H200's 132 SMs off-GPU:
     # batches 1 and 2, 256 and 512 programs), else for its first (batch 3, 768; batch 16, 4,096)
     from nanovllm.layers.kernels import decode
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
@@ -635,7 +636,9 @@ def test_decode_launched_early_and_its_prefetch(monkeypatch):
     monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
     splits = {b: decode.decode_splits(b, 8, 4096, 64, cpu) for b in (1, 2, 3, 16, 17)}
     assert splits == {1: (32, 2), 2: (32, 2), 3: (32, 2), 16: (32, 2), 17: (16, 4)}
-    assert decode.decode_splits(1, 8, 8192, 64, cpu) == (64, 2) and decode.decode_splits(1, 8, 8448, 64, cpu)[1] == 3
+    for batch in (1, 16):
+        assert decode.decode_splits(batch, 8, 8192, 64, cpu) == (64, 2)
+        assert decode.decode_splits(batch, 8, 8448, 64, cpu)[1] == 3
     assert decode.launched_early(2, 256, 64, 128, bf16, cpu) and decode.launched_early(1, 256, 64, 128, bf16, cpu)
     assert not decode.launched_early(4, 256, 64, 128, bf16, cpu)  # batch 17; more tiles than the prefetch covers
     assert not decode.launched_early(3, 256, 64, 128, bf16, cpu)
@@ -647,6 +650,49 @@ def test_decode_launched_early_and_its_prefetch(monkeypatch):
     assert [decode.prefetch_tiles(b * 8 * 32, 2, cpu) for b in (1, 2, 3, 16)] == [2, 2, 1, 1]
     assert decode.prefetch_tiles(528, 2, cpu) == 2 and decode.prefetch_tiles(529, 2, cpu) == 1
     assert decode.prefetch_tiles(4096, 1, cpu) == 1
+
+
+def test_early_decode_launch_wiring(monkeypatch):
+    # what decode_attention and qk_norm_rope_ pass their kernels where PDL is on (forced here; the kernels are stood
+    # in for, nothing runs): early launches at batches 1 and 16 of a 4,096-token bound, with SPLIT_IN_BLOCK (the
+    # prefetch needs the split's block) and both tiles asked for at batch 1, the first at 16; not early for an fp8
+    # or float32 cache or past 16 (4-tile splits); the rotary kernel triggers first past one token only
+    from nanovllm.layers.kernels import decode, rope
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+    for module in (decode, rope):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(decode, "_decode_kernel", Kernel())
+    monkeypatch.setattr(rope, "_qk_norm_rope_kernel", Kernel())
+    block_size, kv_heads, head_dim = 256, 8, 128
+
+    def decode_launch(batch, dtype=torch.bfloat16, kv_dtype=None):
+        launches.clear()
+        k, v = (torch.zeros(4, block_size, kv_heads, head_dim, dtype=kv_dtype or dtype) for _ in range(2))
+        scales = {}
+        if kv_dtype is not None:
+            scales = dict(k_scale=torch.ones(4, kv_heads, block_size), v_scale=torch.ones(4, kv_heads, block_size))
+        decode.decode_attention(torch.zeros(batch, 2 * kv_heads, head_dim, dtype=dtype), k, v,
+                                torch.ones(batch, dtype=torch.int32), torch.zeros(batch, 16, dtype=torch.int32),
+                                head_dim ** -0.5, **scales)
+        (grid, _, kw), = launches
+        return grid, kw
+    for batch, tiles in ((1, 2), (16, 1)):
+        grid, kw = decode_launch(batch)
+        assert grid == (batch, kv_heads, 32) and kw["EARLY"] and kw["launch_pdl"] and kw["SPLIT_IN_BLOCK"]
+        assert kw["PREFETCH_TILES"] == tiles, (batch, kw["PREFETCH_TILES"])
+    for grid, kw in (decode_launch(17), decode_launch(16, kv_dtype=torch.float8_e4m3fn),
+                     decode_launch(16, dtype=torch.float32)):
+        assert not kw["EARLY"] and "launch_pdl" not in kw and kw["PREFETCH_TILES"] == 0 and kw["PDL"], grid
+    for tokens in (1, 2, 16, 300):
+        launches.clear()
+        q, k = torch.zeros(tokens, 16, head_dim), torch.zeros(tokens, kv_heads, head_dim)
+        rope.qk_norm_rope_(q, k, torch.zeros(tokens, dtype=torch.int64), torch.zeros(64, head_dim))
+        (_, args, kw), = launches
+        assert args[-1] == int(tokens > 1) and kw["PDL"] and kw["launch_pdl"], (tokens, args[-1])
 
 
 def test_decode_split_lengths():

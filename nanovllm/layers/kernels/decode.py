@@ -75,9 +75,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)  # empty (end <= start) for padding rows
     direct = context_len <= tiles_per_split * BLOCK_N  # one split holds it all (or context 0: zeros)
     if start >= end and not (direct and split == 0):
-        return  # (before any wait: the context lengths and tables were written by the host, not a kernel)
+        return  # (before any wait: the context lengths and tables are written before the step, by the host copy
+        # or the copies ahead of a graph replay, never by a kernel of the step)
     if EARLY:  # launched under PDL while the rotary kernel (or the qkv projection before it) runs: ask L2 for this
         # split's K/V (rotary writes only the new token's row, and L2 is coherent) before waiting for it
+        tl.static_assert(SPLIT_IN_BLOCK and PREFETCH_TILES > 0, "early launches need splits inside one block")
         if start < end:
             _prefetch_split(k_cache_ptr, v_cache_ptr, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt,
                             stride_vh, split_block, kv_head, start, end, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
@@ -289,21 +291,24 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major
 def launched_early(split_tiles: int, block_size: int, block_n: int, head_dim: int, cache_dtype: torch.dtype,
                    device: torch.device) -> bool:
     """Launch the kernel under PDL, asking L2 for each split's K/V before it waits for the rotary kernel (which,
-    past one token, triggers it before its own wait, so the requests overlap the qkv projection too): for a 16-bit
+    past one token, triggers it before its own wait, so it may start while the qkv projection runs): for a 16-bit
     cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most two
-    tiles inside one block. Programs with no keys leave before the wait, so the graph bound's empty splits hold no
-    slot. The engine's batches 1-16 qualify at a max_model_len of 4,096 (batch 1 up to 8,192; past it a split holds
-    3 or more 64-key tiles, as MAX_SPLITS caps the splits). On one H200 (docs/benchmarks.md) batch 1 went from 0.77
-    to 0.74 ms/token; batch 16 from 1.27-1.28 to 1.24-1.25 at contexts of 512-640 tokens (1.37 to 1.35 at
-    512-1,024, level at 512-2,560), batch 8 from 1.13-1.16 to 1.10-1.11."""
+    tiles inside one block (then split_constants sets SPLIT_IN_BLOCK too). Programs with no keys leave before the
+    wait, so the graph bound's empty splits hold no slot. With 8 KV heads a rank the engine's batches 1-16 qualify
+    up to a max_model_len of 8,192 (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits);
+    with fewer KV heads a rank (tensor parallelism) larger batches do too (up to 33 at 4). Measured on one H200
+    (docs/benchmarks.md) at a max_model_len of 4,096 and batches 1-16 only: batch 1 went from 0.77 to 0.74
+    ms/token; batch 16 from 1.27-1.28 to 1.24-1.25 at contexts of 512-640 tokens (6 of 7 medians; one was 1.287),
+    1.37 to 1.35 at 512-1,024, level at 512-2,560; batch 8 from 1.13-1.16 to 1.10-1.11."""
     return (pdl_enabled(device) and cache_dtype.itemsize == 2 and split_tiles in (1, 2)
             and block_size % (split_tiles * block_n) == 0 and head_dim % 64 == 0)
 
 
 def prefetch_tiles(programs: int, split_tiles: int, device: torch.device) -> int:
     """How many of its tiles an early program asks L2 for: all where the whole grid is resident at once, else the
-    first (batch 16 on one H200, 4,096 programs of which 512-640 hold keys: 1.27-1.28 ms/token asking for both
-    tiles, no better than not launching early, 1.25 for the first; docs/benchmarks.md)."""
+    first (batch 16 on one H200, 4,096 programs of which 512-640 hold keys, the rotary kernel triggering first:
+    1.27-1.28 ms/token asking for both tiles, no better than not launching early, 1.25 for the first; without the
+    early trigger 1.30 and 1.26; docs/benchmarks.md)."""
     return split_tiles if programs <= PROGRAMS_PER_SM * sm_count(device) else 1
 
 

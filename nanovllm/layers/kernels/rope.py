@@ -157,7 +157,8 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         *(k_cache.stride()[:3] if store is not None else (0, 0, 0)), *(v_cache.stride() if store is not None else
                                                                       (0, 0, 0, 0)),
         *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, num_k_heads, eps,
-        int(tokens > 1),  # trigger_first past one token: batch 1 lost 0.01-0.03 ms/token with it (docs/benchmarks.md)
+        int(tokens > 1),  # trigger_first past one token: with it batch 1 lost 0.01-0.03 ms/token at contexts of
+        # 512-2,560 (mixed at 512-640; docs/benchmarks.md)
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
