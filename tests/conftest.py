@@ -46,6 +46,21 @@ def pytest_configure(config):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_finish(session):
+    """Start the interpreted Triton kernel checks (tests/test_triton_kernels.py) now, on all cores but one, when the
+    session holds other modules' tests too: they then run beside the rest of the suite instead of after it."""
+    from tests import test_triton_kernels as kernels
+    groups = kernels.interpreted_groups(session.items)
+    if groups and any(getattr(item.module, "__name__", None) != kernels.__name__ for item in session.items):
+        session.config.interpreted_kernels = kernels._Interpreted(groups, workers=max(1, kernels.cores() - 1))
+
+
+def pytest_sessionfinish(session):
+    started = getattr(session.config, "interpreted_kernels", None)
+    if started is not None:
+        started.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

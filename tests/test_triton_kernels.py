@@ -2,9 +2,10 @@
 
 The interpreter must be switched on (TRITON_INTERPRET=1) before triton is first imported, and other tests in
 this process may import triton without it, so the CPU numerics checks run in a fresh interpreter process:
-tests/triton_kernel_checks.py, one pytest subprocess per kernel group, as many at a time as there are cores (each is
-one Python process; on a 2-core machine like CI's the five groups take about 2.5 minutes: the race checks on one
-core, the others on the second).
+tests/triton_kernel_checks.py, one pytest subprocess per kernel group. In a whole-suite run they start with the
+session (tests/conftest.py), on all cores but one, while the other tests run on the last; this module's
+test_kernels_interpreted then collects them (on CI's 2 cores the five groups take about 5 minutes on one core,
+most of it before the suite reaches this module). Run alone, the module starts them itself, on every core.
 """
 import os
 import subprocess
@@ -28,14 +29,24 @@ KERNEL_GROUPS = ["race", "prefill", "rope or silu or norm or gemv or penalties o
                  "store and not rope"]
 
 
-class _Interpreted:
-    """The selected groups' subprocesses, all queued at once and run as many at a time as there are cores; close()
-    cancels the queued ones and kills the running ones (pytest -x, a failed test, Ctrl-C)."""
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def __init__(self, groups: list[str]):
+
+def interpreted_groups(items) -> list[str]:
+    """The kernel groups of the test_kernels_interpreted items among items, in order."""
+    return [item.callspec.params["kernel"] for item in items
+            if getattr(item, "originalname", "") == "test_kernels_interpreted"
+            and getattr(item.module, "__name__", None) == __name__]
+
+
+class _Interpreted:
+    """The selected groups' subprocesses, all queued at once and run `workers` at a time (default: as many as there
+    are cores); close() cancels the queued ones and kills the running ones (pytest -x, a failed test, Ctrl-C)."""
+
+    def __init__(self, groups: list[str], workers: int | None = None):
         self.lock, self.closed, self.procs = threading.Lock(), False, []
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(max(1, min(len(groups), cores)))
+        self.pool = ThreadPoolExecutor(max(1, min(len(groups), workers or cores())))
         self.runs = {group: self.pool.submit(self._run, group) for group in groups}
 
     def _run(self, group: str) -> tuple[list[str], int, str, str]:
@@ -63,9 +74,11 @@ class _Interpreted:
 
 @pytest.fixture(scope="module")
 def interpreted(request):
-    groups = [item.callspec.params["kernel"] for item in request.session.items
-              if item.module is request.module and getattr(item, "originalname", "") == "test_kernels_interpreted"]
-    runs = _Interpreted(groups)
+    started = getattr(request.config, "interpreted_kernels", None)  # by tests/conftest.py at the session's start
+    if started is not None:
+        yield started
+        return
+    runs = _Interpreted(interpreted_groups(request.session.items))
     yield runs
     runs.close()
 
