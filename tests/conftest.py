@@ -49,6 +49,8 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     """Start the interpreted Triton kernel checks (tests/test_triton_kernels.py) now, on all cores but one, when the
     session holds other modules' tests too: they then run beside the rest of the suite instead of after it."""
+    if session.config.option.collectonly:  # nothing will run: start nothing
+        return
     from tests import test_triton_kernels as kernels
     groups = kernels.interpreted_groups(session.items)
     if groups and any(getattr(item.module, "__name__", None) != kernels.__name__ for item in session.items):
