@@ -426,14 +426,18 @@ def test_gpu_decode_fp8(batch, block_size, kv_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph():
+# the split-K kernel; the TMA ring on Hopper (two 1,024-token chunks of a 1,280-token bound: 1,200 is merged)
+@pytest.mark.parametrize("batch,block_size", [(8, 16), (16, 64)])
+def test_gpu_decode_cuda_graph(batch, block_size, monkeypatch):
     """Captured once, replayed with other context lengths, tables and queries: the grid must not depend on them."""
     from nanovllm.layers.attention.torch_ref import TorchAttention
     from nanovllm.layers.attention.triton_backend import TritonAttention
+    from nanovllm.layers.kernels import decode, decode_tma
     from nanovllm.utils.context import Context
     from tests.triton_kernel_checks import assert_close, block_tables_for, random_cache
-
-    batch, heads, kv_heads, head_dim, block_size, width = 8, 16, 8, 128, 16, 80
+    heads, kv_heads, head_dim, width = 16, 8, 128, 1280 // block_size
+    tma_launches, tma = [], decode_tma.decode_attention_tma
+    monkeypatch.setattr(decode_tma, "decode_attention_tma", lambda *a, **k: tma_launches.append(1) or tma(*a, **k))
     k_cache, v_cache = random_cache(batch * width, block_size, kv_heads, head_dim, torch.bfloat16, "cuda")
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
@@ -445,7 +449,12 @@ def test_gpu_decode_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.decode(q, k_cache, v_cache, context, scale)
-    for new_lens in ([1, 1024, 0, 37, 700, 256, 1, 999], [5, 0, 0, 1024, 3, 17, 512, 100]):
+    tma_expected = batch == 16 and decode_tma.stages_for(batch * kv_heads, width * block_size,
+                                                         decode.sm_count(q.device)) > 0 and decode_tma.usable(
+        q, k_cache, v_cache)
+    assert bool(tma_launches) == tma_expected
+    for new_lens in ([1, 1024, 0, 37, 700, 256, 1, 999], [5, 0, 0, 1200, 3, 17, 512, 100]):
+        new_lens = (new_lens * 2)[:batch]
         table = block_tables_for(new_lens, block_size, batch * width, "cuda")
         tables.fill_(-1)
         tables[:, :table.size(1)] = table
@@ -454,6 +463,77 @@ def test_gpu_decode_cuda_graph():
         graph.replay()
         ref = TorchAttention().decode(q.float(), k_cache.float(), v_cache.float(), context, scale)
         assert_close(out, ref, torch.bfloat16, f"graph replay context_lens={new_lens}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [64, 256])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64), (16, 1, 128)])
+@pytest.mark.parametrize("stages", [3, 4])
+def test_gpu_decode_tma(stages, heads, kv_heads, head_dim, block_size, dtype):
+    from nanovllm.layers.kernels import decode_tma
+    from tests.triton_kernel_checks import check_decode_tma
+    if not decode_tma.usable(torch.zeros(1, heads, head_dim, dtype=dtype, device="cuda"),
+                             *(torch.zeros(1, block_size, kv_heads, head_dim, dtype=dtype, device="cuda"),) * 2):
+        pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
+    # contexts ending inside a tile, on a tile's last row, on a block's, the longest the engine's rule allows, 0
+    check_decode_tma([640, 1, 63, 64, 65, 0, 4096, 129, 255, 256, 257, 3000, 511, 2, 1000, 192], block_size, heads,
+                     kv_heads, head_dim, dtype, stages)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
+    # the engine's path (decode_attention): the TMA ring at 12-33 sequences with 8 KV heads and a bound up to 4,096
+    # tokens, the split-K kernel otherwise (and with NANOVLLM_DECODE_TMA=0); both give the same attention
+    from nanovllm.layers.kernels import decode, decode_tma
+    from tests.triton_kernel_checks import block_tables_for, random_cache
+    if not decode_tma.stages_for(128, 4096, decode.sm_count(torch.device("cuda"))):
+        pytest.skip("no Gluon here")
+    picked, tma = [], decode_tma.decode_attention_tma
+    monkeypatch.setattr(decode_tma, "decode_attention_tma", lambda *a, **k: picked.append(a[6]) or tma(*a, **k))
+    sms = decode.sm_count(torch.device("cuda"))
+
+    def attend(batch, width):
+        picked.clear()
+        lens = [700 - 3 * i for i in range(batch)]
+        k, v = random_cache(batch * width, 256, 8, 128, torch.bfloat16, "cuda")
+        tables = torch.full((batch, width), -1, dtype=torch.int32, device="cuda")
+        t = block_tables_for(lens, 256, batch * width, "cuda")
+        tables[:, :t.size(1)] = t
+        q = torch.randn(batch, 16, 128, dtype=torch.bfloat16, device="cuda")
+        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5)
+        split_k = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, max_split_tokens=128)
+        torch.testing.assert_close(out.float(), split_k.float(), atol=2e-2, rtol=2e-2)
+        return list(picked)
+    assert attend(16, 16) == [4 if 128 <= sms else 3]
+    assert attend(32, 16) == ([3] if 256 <= 2 * sms else [])
+    assert attend(8, 16) == []  # 64 programs
+    assert attend(16, 17) == []  # a bound of 4,352 tokens
+    monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
+    assert attend(16, 16) == []
+
+
+@pytest.mark.gpu
+def test_gpu_decode_tma_context_past_its_bound_leaves_the_counters_zero():
+    # a caller's bound shorter than a context gives a wrong answer, but the split counters the split-K and linear
+    # kernels share must still go back to zero (a merge for every chunk launched), and nothing is written past out
+    from nanovllm.layers.kernels import decode, decode_tma
+    from tests.triton_kernel_checks import block_tables_for, random_cache
+    if not decode_tma.usable(torch.zeros(1, 16, 128, dtype=torch.bfloat16, device="cuda"),
+                             *(torch.zeros(1, 256, 8, 128, dtype=torch.bfloat16, device="cuda"),) * 2):
+        pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
+    lens = [2500] * 16
+    k, v = random_cache(16 * 10, 256, 8, 128, torch.bfloat16, "cuda")
+    tables = block_tables_for(lens, 256, 16 * 10, "cuda")
+    q = torch.randn(16, 16, 128, dtype=torch.bfloat16, device="cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    guard = torch.zeros(2, 16, 16, 128, dtype=torch.bfloat16, device="cuda")  # out, then what lies past it
+    for bound in (2048, 1024):
+        decode_tma.decode_attention_tma(q, k, v, ctx, tables, 128 ** -0.5, 4, guard[0], bound)
+        torch.cuda.synchronize()
+        assert not decode.split_counters(q.device, 16 * 8)[:16 * 8].any(), bound
+        assert not guard[1].any(), bound
 
 
 @pytest.mark.gpu
@@ -558,9 +638,9 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
 def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     """Two decoder layers' kernels at decode shapes (Qwen3-0.6B), each reading what the one before wrote: launched
     under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, decode attention with its early
-    L2 prefetch: at 16 rows 4,096 programs, most without keys, which leave before the wait), replayed as a CUDA
-    graph with new inputs, they give the bits of plain launches. A kernel that read before the one before it had
-    finished would not."""
+    L2 prefetch at 1 row, and at 16 rows the TMA ring, which copies the tiles before the new token before its wait),
+    replayed as a CUDA graph with new inputs, they give the bits of plain launches. A kernel that read before the
+    one before it had finished would not."""
     from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from tests.triton_kernel_checks import block_tables_for, random_cache
@@ -586,6 +666,9 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     early = []
     launched_early = decode.launched_early
     monkeypatch.setattr(decode, "launched_early", lambda *a: early.append(launched_early(*a)) or early[-1])
+    from nanovllm.layers.kernels import decode_tma
+    tma_launches, tma = [], decode_tma.decode_attention_tma
+    monkeypatch.setattr(decode_tma, "decode_attention_tma", lambda *a, **k: tma_launches.append(1) or tma(*a, **k))
 
     def step():
         h, r = norm.add_rms_norm(x, res, nw, eps)
@@ -623,14 +706,19 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    assert early and all(early)  # decode attention launched early (at 1 and 16 rows)
+    # decode attention launched early at 1 row; at 16 (128 programs) the TMA ring, which requests the tiles before
+    # the new token before its wait, where the kernel runs here (Hopper with Gluon)
+    if rows == 16 and decode_tma.stages_for(rows * kv_heads, width * block_size, decode.sm_count(x.device)):
+        assert tma_launches and not early
+    else:
+        assert early and all(early) and not tma_launches
     got = []
     for i in range(3):
         inputs(i)
         graph.replay()
         torch.cuda.synchronize()
         got.append([t.clone() for t in (*out, *caches[0], *caches[1])])
-    for module in (activation, decode, gemv, norm, rope):
+    for module in (activation, decode, decode_tma, gemv, norm, rope):
         monkeypatch.setattr(module, "pdl_enabled", lambda device: False)
     for i in range(3):
         inputs(i)
@@ -663,6 +751,60 @@ def test_decode_launched_early_and_its_prefetch(monkeypatch):
     assert [decode.prefetch_tiles(b * 8 * 32, 2, cpu) for b in (1, 2, 3, 16)] == [2, 2, 1, 1]
     assert decode.prefetch_tiles(528, 2, cpu) == 2 and decode.prefetch_tiles(529, 2, cpu) == 1
     assert decode.prefetch_tiles(4096, 1, cpu) == 1
+
+
+def test_decode_tma_rule(monkeypatch):
+    # the TMA ring serves 96 to two SMs' worth of (sequence, KV head) programs under a bound of at most 4,096 tokens
+    # (on an H200's 132 SMs: batches 12-33 with 8 KV heads), 4 slots where each program has an SM, 3 past that
+    from nanovllm.layers.kernels import decode_tma
+    if decode_tma.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    rule = decode_tma.stages_for
+    assert [rule(p, 4096, 132) for p in (95, 96, 132, 133, 264, 265)] == [0, 4, 4, 3, 3, 0]
+    assert rule(128, 4097, 132) == 0 and rule(128, 512, 132) == 4
+    monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
+    assert rule(128, 4096, 132) == 0
+
+
+def test_decode_tma_compiles_for_hopper(monkeypatch):
+    # the Gluon kernel through this Triton's Gluon API (experimental, renamed between releases), for sm_90 with a
+    # stand-in driver: both ring depths the rule picks, bf16 and fp16, head_dim 128 and 64, and within Hopper's
+    # shared memory
+    from nanovllm.layers.kernels import decode_tma
+    if decode_tma.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class NoGpu:  # what a launch with warmup=True asks of the driver
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+    monkeypatch.setattr(driver, "_active", NoGpu())
+    kernel = decode_tma._decode_tma_kernel  # (its sm_90 builds stay out of the kernel's cache for real launches)
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    for stages, dtype, heads, kv_heads, head_dim, block_size in [(4, torch.bfloat16, 16, 8, 128, 256),
+                                                                 (3, torch.float16, 32, 4, 64, 64)]:
+        q = torch.zeros(16, heads, head_dim, dtype=dtype)
+        k, v = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        k_desc, v_desc = decode_tma._descriptors(k, v)
+        tables = torch.zeros(16, 4, dtype=torch.int32)
+        part = torch.zeros(16, 4, dtype=torch.float32)
+        kernel = decode_tma._decode_tma_kernel.warmup(
+            q, q, k_desc, v_desc, part, part, part, tables, tables[:, 0], tables, q.stride(0), q.stride(1),
+            q.stride(0), q.stride(1), tables.stride(0), 0.1, GROUP=heads // kv_heads, BLOCK_G=16,
+            BLOCK_SIZE=block_size, BLOCK_N=decode_tma.BLOCK_N, HEAD_DIM=head_dim, STAGES=stages,
+            CHUNK_TILES=decode_tma.CHUNK_TILES, PDL=True, num_warps=4, grid=(1,))
+        assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (stages, kernel.metadata.shared)
+        assert kernel.asm["ptx"].count("cp.async.bulk.tensor") > 0
 
 
 def test_early_decode_launch_wiring(monkeypatch):

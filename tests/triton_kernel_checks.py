@@ -217,6 +217,42 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
             assert torch.equal(out[s], torch.zeros_like(out[s]))
 
 
+def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
+                     stages: int):
+    """The TMA-ring decode kernel (kernels/decode_tma.py, Hopper) against float32 attention over each context's own
+    rows. Every cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel that
+    let a row past a context into its sums would return NaN."""
+    from nanovllm.layers.kernels.decode_tma import decode_attention_tma
+    batch = len(context_lens)
+    num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
+    k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, "cuda")
+    tables = block_tables_for(context_lens, block_size, num_blocks, "cuda")
+    covered = torch.zeros(num_blocks * block_size, dtype=torch.bool, device="cuda")
+    rows = []
+    for s, n in enumerate(context_lens):
+        pos = torch.arange(n, device="cuda")
+        rows.append(tables[s, pos // block_size].long() * block_size + pos % block_size)
+        covered[rows[-1]] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, head_dim)[~covered] = float("nan")
+    q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
+    scale = head_dim ** -0.5
+    out = decode_attention_tma(q, k_cache, v_cache, torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
+                               tables, scale, stages)
+    ref = torch.zeros(batch, heads, head_dim, device="cuda")
+    group = heads // kv_heads
+    for s, n in enumerate(context_lens):
+        if n:
+            k, v = (c.view(-1, kv_heads, head_dim)[rows[s]].float().repeat_interleave(group, 1)
+                    for c in (k_cache, v_cache))
+            att = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
+            ref[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
+    assert_close(out, ref, dtype, f"decode_tma context_lens={context_lens} block_size={block_size} stages={stages}")
+    for s, n in enumerate(context_lens):
+        if n == 0:  # padding row: zeros
+            assert torch.equal(out[s], torch.zeros_like(out[s]))
+
+
 def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, norm: bool, device="cpu",
                        heads_per_program: int = 0):
     """The fused q/k RMSNorm + rotary kernel, in place on views of one qkv projection, against the torch modules

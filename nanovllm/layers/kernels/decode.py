@@ -1,5 +1,10 @@
 """Paged decode attention: one query token per sequence, split-K ("flash decoding").
 
+On Hopper, for a 16-bit cache at 96 to two SMs' worth of (sequence, KV head) pairs under a bound of at most 4,096
+tokens (batches 12-33 with 8 KV heads a rank), decode_attention hands over to decode_tma.py: one program per
+(sequence, KV head, 1,024-token chunk) streaming its tiles through a TMA ring, which reads closer to the copy
+bandwidth there (batch 16 decode 1.24 -> 1.18-1.19 ms/token on one H200). This kernel serves every other case.
+
 Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
 padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.
 The grid is fixed by tensor shapes and the caller's context-length bound (never by context_lens values), so the
@@ -30,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
+from nanovllm.layers.kernels import decode_tma
+from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, split_partials, token_major_rows
 from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 from nanovllm.layers.kernels.scratch import scratch
 
@@ -294,7 +300,8 @@ def launched_early(split_tiles: int, block_size: int, block_n: int, head_dim: in
     past one token, triggers it before its own wait, so it may start while the qkv projection runs): for a 16-bit
     cache (not fp8, not float32; V unit-stride along head_dim: the caller checks) in fixed splits of at most two
     tiles inside one block (then split_constants sets SPLIT_IN_BLOCK too). Programs with no keys leave before the
-    wait, so the graph bound's empty splits hold no slot. With 8 KV heads a rank the engine's batches 1-16 qualify
+    wait, so the graph bound's empty splits hold no slot. (On Hopper, batches 12-16 with 8 KV heads go to
+    decode_tma.py instead, which copies its tiles before the wait.) With 8 KV heads a rank batches 1-16 qualify
     up to a max_model_len of 8,192 (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits);
     with fewer KV heads a rank (tensor parallelism) larger batches do too (up to 33 at 4). Measured on one H200
     (docs/benchmarks.md) at a max_model_len of 4,096 and batches 1-16 only: batch 1 went from 0.77 to 0.74
@@ -340,6 +347,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_context_len = block_tables.size(1) * block_size
     group = num_heads // num_kv_heads
     quant = k_scale is not None
+    if not quant and num_splits is None and config is None and max_split_tokens is None:
+        stages = decode_tma.stages_for(batch * num_kv_heads, max_context_len, sm_count(q.device))
+        if stages and decode_tma.usable(q, k_cache, v_cache):  # (Hopper, 16-bit cache: decode_tma.py)
+            return decode_tma.decode_attention_tma(q, k_cache, v_cache, context_lens, block_tables, scale, stages,
+                                                   out, max_context_len)
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)
@@ -348,12 +360,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                 max_split_tokens, quant)
     else:
         split_tiles = 0  # equal runs
-    if num_splits > 1:
-        part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
+    part_m, part_l, part_acc = split_partials(out, num_splits)
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
     early = v_cache.stride(-1) == 1 and launched_early(split_tiles, block_size, block_n, head_dim, k_cache.dtype,
                                                        q.device)

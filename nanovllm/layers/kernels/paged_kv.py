@@ -1,5 +1,6 @@
 """Shared Triton helpers: where key/value rows of one sequence live, in packed tensors or the paged cache, and the
-fp8 cache's p @ V step that the decode and prefill kernels both take."""
+fp8 cache's p @ V step that the decode and prefill kernels both take; the split decode kernels' partials."""
+import torch
 import triton
 import triton.language as tl
 
@@ -42,3 +43,15 @@ def fp8_pv(acc, p, v, alpha, v_scale, v_top, PRECISION: tl.constexpr):
     acc = tl.dot((p * (v_scale / v_new)[None, :]).to(v.dtype), v, acc * (alpha * (v_top / v_new))[:, None],
                  input_precision=PRECISION)
     return acc, v_new
+
+
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 partials of a decode kernel that splits each context (running max, sum, [batch, heads, splits];
+    unnormalised output, [batch, heads, splits, head_dim]) for out [batch, heads, head_dim]; with one split, out
+    itself three times (unused)."""
+    if num_splits <= 1:
+        return out, out, out
+    batch, num_heads, head_dim = out.shape
+    part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    return part_m, torch.empty_like(part_m), part_acc

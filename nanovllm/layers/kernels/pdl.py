@@ -11,10 +11,13 @@ Launched this way:
   thing: their launch overlaps the kernel before instead of following it (batch 16 on one H200: 1.41 -> 1.33
   ms/token for the small kernels, 1.335 -> 1.27 for the linear kernel; docs/benchmarks.md);
 - decode attention in splits of at most two tiles (batches 1-16 with 8 KV heads, up to a max_model_len of 8,192),
-  which asks L2 for its K/V before it waits (decode.launched_early); programs with no keys leave at once.
+  which asks L2 for its K/V before it waits (decode.launched_early); programs with no keys leave at once;
+- the TMA-ring decode attention (decode_tma.py; on Hopper at batches 12-33 with 8 KV heads and a max_model_len up
+  to 4,096, where it replaces the one above), which copies the tiles that end before the new token into shared
+  memory before it waits; chunks with no keys leave at once.
 Each triggers its dependents as it starts (the linear kernels; the rotary kernel past one token, so that decode
 attention's requests overlap the qkv projection too), or (RMSNorm, SiLU, rotary at one token, early decode
-attention) once its wait is over.
+attention, the TMA-ring decode attention) once its wait is over.
 The eighth session found the 2-16-row kernel slower under PDL, when the kernels before it did not trigger early;
 loading its first W tile before the wait lost too (docs/benchmarks.md). benchmarks/kernel_chain.py measures a
 launch's cost on a GPU. gdc_wait is a no-op in a kernel not launched that way; gdc_launch_dependents there

@@ -1,0 +1,280 @@
+"""Paged decode attention streamed through a TMA ring (Hopper, Gluon): one program per (sequence, KV head, chunk).
+
+The split-K kernel of decode.py reads a split's one or two tiles at once and then waits; at batch 16 its 640
+working programs form about one wave that asks for all its bytes together, computes, merges, and leaves DRAM idle
+during the ramp and the tail (docs/benchmarks.md: 51.7% of DRAM peak at 16 x 640). Here each program keeps STAGES
+64-token K/V tiles in flight in shared memory (TMA copies completing on an mbarrier per ring slot) and walks up to
+CHUNK_TILES tiles of its context, computing on one tile while the next ones arrive. A context within one chunk
+(the common case at these batches) is written directly; longer ones write float32 partials that the last chunk to
+finish merges (as decode.py's splits do), so one long context among short ones spreads over several SMs. The tiles
+that end before the new token (which the kernel before writes into the cache) are requested before gdc_wait,
+under programmatic dependent launch (pdl.py).
+
+Math: the GROUP query heads of the KV head, padded to 16 rows, on mma.sync (mma_v2): s = q K^T [16, 64] and
+acc += p V [16, HEAD_DIM], the softmax sum kept per element and reduced once after the loop. The engine's 16-bit
+cache is not zeroed: V rows past the context may hold NaN, and 0 * NaN is NaN, so the last (partial) tile's V is
+masked in registers (K's are masked in the scores).
+
+decode.decode_attention takes it where stages_for says (a rule on shapes and the graph's context bound only, so
+captured graphs stay valid) and usable() holds. Measured on one H200 (docs/benchmarks.md, 2026-12-03; Qwen3-0.6B
+attention, 16 query and 8 KV heads, bound 4,096; us a launch, split-K -> this): 16 x 640 18.8 -> 16.1, 12 x 640
+15.9 -> 13.8, 16 x 2,048 43.7 -> 40.5, 16 x 4,096 79.0 -> 76.0; decode at batch 16 1.241-1.242 -> 1.181-1.188
+ms/token, batch 32 1.899-1.907 -> 1.737-1.739. It loses where one long context sits among short ones: 15 x 640 +
+1 x 4,096 28.2 -> 31.1, 15 x 128 + 1 x 4,096 16.4 -> 23.1 (a 1,024-token chunk is 16 tiles in a row on one SM),
+and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 decoded slower).
+NANOVLLM_DECODE_TMA=0 turns it off (for comparison).
+"""
+import functools
+import os
+
+import torch
+
+from nanovllm.layers.kernels.paged_kv import split_partials
+from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
+from nanovllm.layers.kernels.scratch import scratch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # Gluon is experimental: Triton 3.6 names the TMA load async_copy_global_to_shared, later ones async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (likewise)
+except ImportError:  # a Triton without Gluon: the split-K kernel serves every case
+    gluon = None
+
+BLOCK_N = 64  # tokens a tile: 16 KB of K and 16 KB of V at head_dim 128
+LOG2E = 1.4426950408889634
+CHUNK_TILES = 16  # tiles a program walks at most (1,024 tokens): contexts past it are merged from float32 partials
+MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
+MAX_CONTEXT = 4096  # a program walks its whole context: past this bound one long context would hold one SM too long
+
+
+if gluon is not None:
+    @gluon.jit
+    def _gdc_wait():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _issue(k_desc, v_desc, k_smem, v_smem, bars, block, tile, slot, kv_head, BLOCK_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Ask TMA for tile `tile` of the context (in cache block `block`) into ring slot `slot`."""
+        row = block * BLOCK_SIZE + (tile * BLOCK_N) % BLOCK_SIZE
+        bar = bars.index(slot)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, kv_head * HEAD_DIM], bar, k_smem.index(slot))
+        _tma_load(v_desc, [row, kv_head * HEAD_DIM], bar, v_smem.index(slot))
+
+    # (the block-table width changes from batch to batch: one compiled kernel for every width, as in decode.py)
+    @gluon.jit(do_not_specialize=["stride_table"])
+    def _decode_tma_kernel(q_ptr, o_ptr, k_desc, v_desc, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
+                           context_lens_ptr, table_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
+                           qk_scale, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                           CHUNK_TILES: gl.constexpr, PDL: gl.constexpr):
+        seq = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)  # this program's chunk of CHUNK_TILES tiles of the context
+        # context lengths and block tables are written before the step (host copies), never by a kernel of it
+        context_len = gl.load(context_lens_ptr + seq)
+        n_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+        first = split * CHUNK_TILES
+        if (first >= n_tiles) & (split > 0):
+            return  # (before any wait: this chunk holds no key; split 0 writes a padding row's zeros)
+        last = gl.minimum(first + CHUNK_TILES, n_tiles)
+
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS],
+                                                      instr_shape=[16, 8])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NUM_WARPS], [1, 0])
+        dtype: gl.constexpr = k_desc.dtype
+
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()  # the initialized barriers are visible to the TMA unit before its first copy
+
+        table_row = table_ptr + seq.to(gl.int64) * stride_table
+        # tiles before `ready` end before the new token's row (position context_len - 1, stored by the kernel
+        # before): their bytes are final, so they may be requested before gdc_wait
+        ready = gl.maximum(context_len - 1, 0) // BLOCK_N
+        for i in gl.static_range(STAGES):
+            if (first + i < ready) & (first + i < last):
+                block = gl.load(table_row + ((first + i) * BLOCK_N) // BLOCK_SIZE)
+                _issue(k_desc, v_desc, k_smem, v_smem, bars, block, first + i, i, kv_head, BLOCK_SIZE, BLOCK_N,
+                       HEAD_DIM)
+        if PDL:
+            _gdc_wait()
+            _gdc_launch_dependents()
+        for i in gl.static_range(STAGES):
+            if (first + i >= ready) & (first + i < last):
+                block = gl.load(table_row + ((first + i) * BLOCK_N) // BLOCK_SIZE)
+                _issue(k_desc, v_desc, k_smem, v_smem, bars, block, first + i, i, kv_head, BLOCK_SIZE, BLOCK_N,
+                       HEAD_DIM)
+
+        offs_g = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, blocked))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
+        mask_g = offs_g < GROUP
+        heads = kv_head * GROUP + offs_g
+        q = gl.load(q_ptr + seq.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0)
+        q = gl.convert_layout(q, a_op)
+
+        m_i = gl.full([BLOCK_G], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+        l_i = gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma)  # summed along tokens once, after the loop
+        acc = gl.zeros([BLOCK_G, HEAD_DIM], gl.float32, layout=mma)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        offs_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
+        for t in range(first, last):
+            # the block of the tile this iteration re-queues: its load overlaps the wait below
+            later = t + STAGES
+            later_block = gl.load(table_row + (later * BLOCK_N) // BLOCK_SIZE, mask=later < last, other=0)
+            slot = (t - first) % STAGES
+            mbarrier.wait(bars.index(slot), ((t - first) // STAGES) & 1)
+            k = k_smem.index(slot).permute((1, 0)).load(b_op)  # [HEAD_DIM, BLOCK_N]
+            s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
+            s = gl.where((t * BLOCK_N + offs_n < context_len)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: every tile holds a key
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha[:, None] + p
+            if (t + 1) * BLOCK_N > context_len:  # the last tile, partial: rows past the context may be NaN
+                v = v_smem.index(slot).load(blocked)
+                v = gl.where((t * BLOCK_N + offs_v < context_len)[:, None], v, 0.0)
+                v = gl.convert_layout(v, b_op)
+            else:
+                v = v_smem.index(slot).load(b_op)
+            acc = mma_v2(gl.convert_layout(p.to(dtype), a_op), v, acc * alpha[:, None])
+            m_i = m_new
+            _cta_barrier()  # every warp has read the slot before TMA overwrites it
+            if later < last:
+                _issue(k_desc, v_desc, k_smem, v_smem, bars, later_block, later, slot, kv_head, BLOCK_SIZE,
+                       BLOCK_N, HEAD_DIM)
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        l_sum = gl.sum(l_i, axis=1)
+        offs_go = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, mma))
+        offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+        heads_o = kv_head * GROUP + offs_go
+        # chunks holding keys (at most the grid's: a context past the caller's bound is then wrong, but the
+        # counter still goes back to zero, as in decode.py)
+        used = gl.minimum((n_tiles + CHUNK_TILES - 1) // CHUNK_TILES, gl.num_programs(2))
+        if used <= 1:  # the whole context in this program (or none: a padding row's zeros)
+            out = acc / gl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            gl.store(o_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + offs_do[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=(offs_go < GROUP)[:, None])
+        else:
+            # float32 partials [batch, heads, splits] (+ [HEAD_DIM]); the last chunk to arrive merges them
+            num_heads = gl.num_programs(1) * GROUP
+            num_splits = gl.num_programs(2)
+            part = (seq.to(gl.int64) * num_heads + heads_o) * num_splits + split
+            gl.store(part_m_ptr + part, m_i, mask=offs_go < GROUP)
+            gl.store(part_l_ptr + part, l_sum, mask=offs_go < GROUP)
+            gl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_do[None, :], acc, mask=(offs_go < GROUP)[:, None])
+            counter = count_ptr + seq * gl.num_programs(1) + kv_head
+            _cta_barrier()  # every thread's partials are written before the program counts itself (release)
+            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                gl.store(counter, 0)  # ready for the next launch
+                base = (seq.to(gl.int64) * num_heads + heads) * num_splits  # [BLOCK_G], chunk 0
+                m_run = gl.full([BLOCK_G], float("-inf"), gl.float32, layout=gl.SliceLayout(1, blocked))
+                l_run = gl.zeros([BLOCK_G], gl.float32, layout=gl.SliceLayout(1, blocked))
+                o = gl.zeros([BLOCK_G, HEAD_DIM], gl.float32, layout=blocked)
+                for c in range(0, used):  # (written by other SMs: read from L2, never a stale L1 line)
+                    m_c = gl.load(part_m_ptr + base + c, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+                    l_c = gl.load(part_l_ptr + base + c, mask=mask_g, other=0.0, cache_modifier=".cg")
+                    acc_c = gl.load(part_acc_ptr + (base + c)[:, None] * HEAD_DIM + offs_d[None, :],
+                                    mask=mask_g[:, None], other=0.0, cache_modifier=".cg")
+                    m_new = gl.where(mask_g, gl.maximum(m_run, m_c), 0.0)  # (padded rows: no -inf - -inf)
+                    a = gl.exp2(m_run - m_new)
+                    b = gl.exp2(m_c - m_new)
+                    l_run = l_run * a + l_c * b
+                    o = o * a[:, None] + acc_c * b[:, None]
+                    m_run = m_new
+                o = o / gl.where(l_run > 0, l_run, 1.0)[:, None]
+                gl.store(o_ptr + seq.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         o.to(o_ptr.dtype.element_ty), mask=mask_g[:, None])
+
+
+def stages_for(programs: int, max_context_len: int, sm_count: int) -> int:
+    """How deep a ring the kernel runs for `programs` (batch x KV heads) under the context bound, or 0 where the
+    split-K kernel serves instead: from MIN_PROGRAMS up to two programs an SM, for bounds up to MAX_CONTEXT. Four
+    32 KB slots (133 KB of shared memory) where every program has an SM, three (100 KB, two programs an SM) past
+    that. Measured before chunks (one program per sequence and KV head): 16 x 640 15.1 us with 4, 16.7 with 3
+    (batch 16 decode 1.177-1.178 against 1.223 ms/token); 32 x 640 23.7 with 3, 26.7 with 4."""
+    if os.environ.get("NANOVLLM_DECODE_TMA", "1") == "0" or gluon is None:
+        return 0
+    if not MIN_PROGRAMS <= programs <= 2 * sm_count or max_context_len > MAX_CONTEXT:
+        return 0
+    return 4 if programs <= sm_count else 3
+
+
+RING_BYTES = 4 * 2 * BLOCK_N * 128 * 2 + 4096  # four slots of K and V tiles at head_dim 128, and some scratch
+
+
+@functools.cache
+def _ring_fits(device: torch.device) -> bool:
+    """Hopper or later with shared memory for four ring slots a block (not consumer Blackwell's ~99 KB)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= RING_BYTES
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The tensors and GPU the kernel serves: Hopper or later with room for the ring, a 16-bit cache (q of the
+    same type) with V d-contiguous, head_dim 64 or 128 (the ring's shared memory), blocks a multiple of BLOCK_N
+    tokens, at most 16 query heads per KV head (the padded rows of one mma)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (gluon is not None and q.is_cuda and _ring_fits(q.device)
+            and k_cache.dtype in (torch.bfloat16, torch.float16) and q.dtype == k_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim in (64, 128)
+            and block_size % BLOCK_N == 0 and q.size(1) // num_kv_heads <= 16)
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """The caches as [tokens, kv_heads * head_dim] for TMA: a tile is BLOCK_N rows of one head's head_dim columns.
+    Made at each launch (a CUDA graph keeps the launch's copy; holding them would hold the caches past sleep())."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16 if k_cache.dtype ==
+                                                  torch.bfloat16 else gl.float16)
+    shape, strides = [num_blocks * block_size, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
+    return tuple(TensorDescriptor(c, shape, strides, [BLOCK_N, head_dim], layout) for c in (k_cache, v_cache))
+
+
+def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
+                         block_tables: torch.Tensor, scale: float, stages: int = 4,
+                         out: torch.Tensor | None = None, max_context_len: int | None = None) -> torch.Tensor:
+    """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): a
+    program walks at most CHUNK_TILES tiles, so one long context among short ones is spread over several SMs;
+    the bound (default: the table's width in tokens) fixes the chunk count, so a captured graph stays valid."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    k_desc, v_desc = _descriptors(k_cache, v_cache)
+    if max_context_len is None:
+        max_context_len = block_tables.size(1) * block_size
+    num_splits = max(1, -(-max_context_len // (CHUNK_TILES * BLOCK_N)))
+    part_m, part_l, part_acc = split_partials(out, num_splits)
+    counters = scratch(q.device, "split_counters", batch * num_kv_heads, torch.int32)  # (decode.split_counters)
+    pdl = pdl_enabled(q.device)
+    _decode_tma_kernel[(batch, num_kv_heads, num_splits)](
+        q, out, k_desc, v_desc, part_m, part_l, part_acc, counters, context_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
+        GROUP=group, BLOCK_G=16, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim, STAGES=stages,
+        CHUNK_TILES=CHUNK_TILES, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    return out
