@@ -38,7 +38,7 @@ import triton.language as tl
 from nanovllm.layers.kernels import decode_tma
 from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, split_partials, token_major_rows
 from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import scratch
+from nanovllm.layers.kernels.scratch import split_counters
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting
@@ -239,12 +239,6 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for the splits' last-one-merges (kernels/scratch.py), shared by every layer and by
-    the linear kernel's K-splits (gemv.py)."""
-    return scratch(device, "split_counters", n, torch.int32)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,

@@ -31,7 +31,7 @@ import torch
 
 from nanovllm.layers.kernels.paged_kv import split_partials
 from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import scratch
+from nanovllm.layers.kernels.scratch import split_counters
 
 try:
     from triton.experimental import gluon
@@ -41,14 +41,14 @@ try:
     # Gluon is experimental: Triton 3.6 names the TMA load async_copy_global_to_shared, later ones async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (likewise)
-except ImportError:  # a Triton without Gluon: the split-K kernel serves every case
+except (ImportError, AttributeError):  # a Triton without Gluon, or with names unknown here: the split-K kernel
     gluon = None
 
 BLOCK_N = 64  # tokens a tile: 16 KB of K and 16 KB of V at head_dim 128
 LOG2E = 1.4426950408889634
 CHUNK_TILES = 16  # tiles a program walks at most (1,024 tokens): contexts past it are merged from float32 partials
 MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
-MAX_CONTEXT = 4096  # a program walks its whole context: past this bound one long context would hold one SM too long
+MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (the merges measured); past it the split-K kernel
 
 
 if gluon is not None:
@@ -270,7 +270,7 @@ def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         max_context_len = block_tables.size(1) * block_size
     num_splits = max(1, -(-max_context_len // (CHUNK_TILES * BLOCK_N)))
     part_m, part_l, part_acc = split_partials(out, num_splits)
-    counters = scratch(q.device, "split_counters", batch * num_kv_heads, torch.int32)  # (decode.split_counters)
+    counters = split_counters(q.device, batch * num_kv_heads)
     pdl = pdl_enabled(q.device)
     _decode_tma_kernel[(batch, num_kv_heads, num_splits)](
         q, out, k_desc, v_desc, part_m, part_l, part_acc, counters, context_lens, block_tables,

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from nanovllm.layers.kernels import activation
 from nanovllm.layers.kernels import norm as norm_kernels
-from nanovllm.layers.kernels.decode import sm_count, split_counters
+from nanovllm.layers.kernels.decode import sm_count
 from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import scratch
+from nanovllm.layers.kernels.scratch import scratch, split_counters
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 

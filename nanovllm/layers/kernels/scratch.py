@@ -23,3 +23,9 @@ def scratch(device: torch.device, name: str, n: int, dtype: torch.dtype) -> torc
             _retired.append(buf)
         buf = _buffers[(device, name)] = torch.zeros(max(n, 1 << 16), dtype=dtype, device=device)
     return buf
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters for the splits' last-one-merges, shared by every layer: the decode kernels'
+    (decode.py, decode_tma.py) and the linear kernel's K-splits (gemv.py)."""
+    return scratch(device, "split_counters", n, torch.int32)
