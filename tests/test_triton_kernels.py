@@ -515,25 +515,29 @@ def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_tma_context_past_its_bound_leaves_the_counters_zero():
-    # a caller's bound shorter than a context gives a wrong answer, but the split counters the split-K and linear
-    # kernels share must still go back to zero (a merge for every chunk launched), and nothing is written past out
+def test_gpu_decode_tma_context_past_its_bound_is_still_whole():
+    # a caller's bound shorter than a context (the engine never passes one): the grid's chunks grow to cover it, so
+    # the answer is the same as under a true bound; the split counters the split-K and linear kernels share go
+    # back to zero, and nothing is written past out
     from nanovllm.layers.kernels import decode, decode_tma
     from tests.triton_kernel_checks import block_tables_for, random_cache
     if not decode_tma.usable(torch.zeros(1, 16, 128, dtype=torch.bfloat16, device="cuda"),
                              *(torch.zeros(1, 256, 8, 128, dtype=torch.bfloat16, device="cuda"),) * 2):
         pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
-    lens = [2500] * 16
+    lens = [2500] * 15 + [700]
     k, v = random_cache(16 * 10, 256, 8, 128, torch.bfloat16, "cuda")
     tables = block_tables_for(lens, 256, 16 * 10, "cuda")
     q = torch.randn(16, 16, 128, dtype=torch.bfloat16, device="cuda")
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    whole = decode_tma.decode_attention_tma(q, k, v, ctx, tables, 128 ** -0.5, 4, None, 2560)  # 3 chunks
     guard = torch.zeros(2, 16, 16, 128, dtype=torch.bfloat16, device="cuda")  # out, then what lies past it
     for bound in (2048, 1024):
+        guard.zero_()
         decode_tma.decode_attention_tma(q, k, v, ctx, tables, 128 ** -0.5, 4, guard[0], bound)
         torch.cuda.synchronize()
         assert not decode.split_counters(q.device, 16 * 8)[:16 * 8].any(), bound
         assert not guard[1].any(), bound
+        torch.testing.assert_close(guard[0].float(), whole.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon, or with names u
 
 BLOCK_N = 64  # tokens a tile: 16 KB of K and 16 KB of V at head_dim 128
 LOG2E = 1.4426950408889634
-CHUNK_TILES = 16  # tiles a program walks at most (1,024 tokens): contexts past it are merged from float32 partials
+CHUNK_TILES = 16  # tiles a program walks within the bound (1,024 tokens): longer contexts are merged from partials
 MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
 MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (the merges measured); past it the split-K kernel
 
@@ -80,14 +80,17 @@ if gluon is not None:
                            CHUNK_TILES: gl.constexpr, PDL: gl.constexpr):
         seq = gl.program_id(0)
         kv_head = gl.program_id(1)
-        split = gl.program_id(2)  # this program's chunk of CHUNK_TILES tiles of the context
+        split = gl.program_id(2)  # this program's chunk of the context
         # context lengths and block tables are written before the step (host copies), never by a kernel of it
         context_len = gl.load(context_lens_ptr + seq)
         n_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-        first = split * CHUNK_TILES
+        # CHUNK_TILES a chunk within the caller's bound; a longer context (which the engine never passes) is cut
+        # into as many longer chunks as the grid has, so it is still computed whole
+        chunk = gl.maximum((n_tiles + gl.num_programs(2) - 1) // gl.num_programs(2), CHUNK_TILES)
+        first = split * chunk
         if (first >= n_tiles) & (split > 0):
             return  # (before any wait: this chunk holds no key; split 0 writes a padding row's zeros)
-        last = gl.minimum(first + CHUNK_TILES, n_tiles)
+        last = gl.minimum(first + chunk, n_tiles)
 
         NUM_WARPS: gl.constexpr = gl.num_warps()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS],
@@ -167,9 +170,7 @@ if gluon is not None:
         offs_go = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, mma))
         offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
         heads_o = kv_head * GROUP + offs_go
-        # chunks holding keys (at most the grid's: a context past the caller's bound is then wrong, but the
-        # counter still goes back to zero, as in decode.py)
-        used = gl.minimum((n_tiles + CHUNK_TILES - 1) // CHUNK_TILES, gl.num_programs(2))
+        used = (n_tiles + chunk - 1) // chunk  # chunks holding keys: at most the grid's, by chunk's choice
         if used <= 1:  # the whole context in this program (or none: a padding row's zeros)
             out = acc / gl.where(l_sum > 0, l_sum, 1.0)[:, None]
             gl.store(o_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + offs_do[None, :],
