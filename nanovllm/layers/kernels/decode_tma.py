@@ -4,7 +4,8 @@ The split-K kernel of decode.py reads a split's one or two tiles at once and the
 working programs form about one wave that asks for all its bytes together, computes, merges, and leaves DRAM idle
 during the ramp and the tail (docs/benchmarks.md: 51.7% of DRAM peak at 16 x 640). Here each program keeps STAGES
 64-token K/V tiles in flight in shared memory (TMA copies completing on an mbarrier per ring slot) and walks up to
-CHUNK_TILES tiles of its context, computing on one tile while the next ones arrive. A context within one chunk
+CHUNK_TILES tiles of its context within the caller's bound (a longer context gets longer chunks, one a program of
+the grid), computing on one tile while the next ones arrive. A context within one chunk
 (the common case at these batches) is written directly; longer ones write float32 partials that the last chunk to
 finish merges (as decode.py's splits do), so one long context among short ones spreads over several SMs. The tiles
 that end before the new token (which the kernel before writes into the cache) are requested before gdc_wait,
@@ -254,9 +255,10 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
 def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float, stages: int = 4,
                          out: torch.Tensor | None = None, max_context_len: int | None = None) -> torch.Tensor:
-    """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): a
-    program walks at most CHUNK_TILES tiles, so one long context among short ones is spread over several SMs;
-    the bound (default: the table's width in tokens) fixes the chunk count, so a captured graph stays valid."""
+    """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): within
+    the bound a program walks at most CHUNK_TILES tiles, so one long context among short ones is spread over
+    several SMs; the bound (default: the table's width in tokens) fixes the chunk count, so a captured graph
+    stays valid."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if out is None:
