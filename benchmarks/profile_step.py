@@ -6,6 +6,10 @@ decode:B:LO-HI: B prompts of random token ids, lengths uniform in LO-HI, are pre
 then `--steps` decode steps are profiled. prefill:B:LEN: the prefill steps of B prompts of LEN tokens (max_tokens 1).
 One engine serves all cases. With --tp the profiler sees rank 0's GPU (its NCCL all-reduce kernels included).
 Prints wall ms per step (without the profiler), kernels per step, GPU busy per step, and the kernels by time.
+With --critical, a decode case also prints what each kernel adds to the step's finish line: kernels in start order,
+each charged the time by which its end moves the latest end so far (under programmatic dependent launch a kernel
+starts while the one before runs, so its own duration overstates it) and the idle time before its start. Linear
+kernels are told apart by the two kernels before them (qkv after a norm after the down projection, and so on).
 """
 import argparse
 import os
@@ -42,7 +46,37 @@ def report(prof, steps: int, top: int):
               f"{100 * total / busy:5.1f}%")
 
 
-def run_case(llm, case: str, warm: int, steps: int, top: int):
+def short(name: str) -> str:
+    return name.strip("_").split("(")[0][:22]
+
+
+def critical_path(prof, steps: int, top: int):
+    """Finish-line attribution (see the module's docstring), us a step, by kernel (linear kernels by context)."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    adds, idle, calls, names = {}, {}, {}, []
+    latest = None
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        label = short(e.name)
+        if "gemv" in label:
+            label += "".join(f" after {name}" for name in reversed(names[-2:]))
+        names.append(short(e.name))
+        latest = start if latest is None else latest
+        idle[label] = idle.get(label, 0.0) + max(0.0, start - latest)
+        adds[label] = adds.get(label, 0.0) + max(0.0, end - max(latest, start))
+        calls[label] = calls.get(label, 0) + 1
+        latest = max(latest, end)
+    span = (sum(adds.values()) + sum(idle.values())) / steps
+    print(f"finish line: {span / 1e3:.3f} ms/step = {sum(adds.values()) / steps / 1e3:.3f} kernels + "
+          f"{sum(idle.values()) / steps / 1e3:.3f} idle")
+    print(f"{'kernel (linear: after the two kernels before it)':78s} {'calls/step':>10s} {'adds us':>8s} "
+          f"{'idle us':>8s}")
+    for label in sorted(adds, key=lambda k: adds[k] + idle[k], reverse=True)[:top]:
+        print(f"{label[:78]:78s} {calls[label] / steps:10.1f} {adds[label] / steps:8.1f} {idle[label] / steps:8.1f}")
+
+
+def run_case(llm, case: str, warm: int, steps: int, top: int, critical: bool = False):
     """case: decode:BATCH:LO-HI or prefill:BATCH:LEN (prompt lengths uniform in LO-HI)."""
     kind, batch, lens = case.split(":")
     lo, _, hi = lens.partition("-")
@@ -87,6 +121,8 @@ def run_case(llm, case: str, warm: int, steps: int, top: int):
         llm.step()
     print(f"decode: batch {batch}, wall {wall * 1e3:.3f} ms/step ({batch / wall:,.0f} tok/s) without the profiler")
     report(prof, steps, top)
+    if critical:
+        critical_path(prof, steps, top)
 
 
 def main():
@@ -101,6 +137,7 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's GPU is profiled)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--critical", action="store_true", help="decode cases: what each kernel adds to the finish line")
     args = p.parse_args()
     t = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
@@ -108,7 +145,7 @@ def main():
     print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}, tp={args.tp}")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     for case in args.cases:
-        run_case(llm, case, args.warm, args.steps, args.top)
+        run_case(llm, case, args.warm, args.steps, args.top, args.critical)
     llm.exit()
 
 

@@ -55,3 +55,28 @@ def test_host_time_benchmark_runs_on_cpu(qwen3_tied):
     assert lines[0].startswith("batch 2: ") and "host busy" in lines[0]
     parts = {line.rsplit("  ", 1)[0].strip() for line in lines[1:]}
     assert {"engine step", "launch", "runner.prepare", "run_model", "compute_logits"} <= parts
+
+
+def test_profile_step_charges_each_kernel_what_it_adds_to_the_finish_line(capsys):
+    # overlapping kernels (programmatic dependent launch) are charged only past the latest end so far, idle time
+    # before a kernel's start separately; linear kernels are named by the two kernels before them
+    from types import SimpleNamespace
+
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import profile_step
+    finally:
+        sys.path.pop(0)
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))
+    timeline = [kernel("_rms_norm_kernel", 0, 5), kernel("_gemv_kernel", 3, 10), kernel("_silu_kernel", 8, 9),
+                kernel("_gemv_kernel", 12, 20), kernel("_rms_norm_kernel", 100, 105)]
+    profile_step.critical_path(SimpleNamespace(events=lambda: timeline), steps=1, top=10)
+    rows = {line[:78].strip(): line[78:].split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["rms_norm_kernel"] == ["2.0", "10.0", "80.0"]  # 5 + 5 added, 80 idle before the second
+    assert rows["gemv_kernel after rms_norm_kernel"] == ["1.0", "5.0", "0.0"]  # 10 - 5 (its start overlaps)
+    assert rows["silu_kernel"] == ["1.0", "0.0", "0.0"]  # inside the gemv: adds nothing
+    assert rows["gemv_kernel after silu_kernel after gemv_kernel"] == ["1.0", "8.0", "2.0"]
