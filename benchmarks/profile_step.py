@@ -9,7 +9,8 @@ Prints wall ms per step (without the profiler), kernels per step, GPU busy per s
 With --critical, a decode case also prints what each kernel adds to the step's finish line: kernels in start order,
 each charged the time by which its end moves the latest end so far (under programmatic dependent launch a kernel
 starts while the one before runs, so its own duration overstates it) and the idle time before its start. Linear
-kernels are told apart by the two kernels before them (qkv after a norm after the down projection, and so on).
+kernels are labelled with the two kernels before them: at batch 16 o_proj follows decode attention and down follows
+SiLU, while qkv, gate_up and the LM head share "after an RMSNorm after a linear kernel".
 """
 import argparse
 import os
