@@ -59,10 +59,10 @@ def critical_path(prof, steps: int, top: int):
     latest = None
     for e in kernels:
         start, end = e.time_range.start, e.time_range.end
-        label = short(e.name)
-        if "gemv" in label:
-            label += "".join(f" after {name}" for name in reversed(names[-2:]))
-        names.append(short(e.name))
+        name = label = short(e.name)
+        if "gemv" in name:
+            label += "".join(f" after {before}" for before in reversed(names[-2:]))
+        names.append(name)
         latest = start if latest is None else latest
         idle[label] = idle.get(label, 0.0) + max(0.0, start - latest)
         adds[label] = adds.get(label, 0.0) + max(0.0, end - max(latest, start))
