@@ -6,8 +6,9 @@ the GPU: a wait near zero means the loop is host-bound (the CPU, not the GPU, se
 
 The prompts are prefilled first; then the counters start and `--new-tokens` decode steps run through
 `llm.step()`, each part timed by wrapping the engine's methods (a few us of overhead each). Parts nest (launch
-holds runner.prepare, run_model, the sampler; run_model holds graphs.replay, which holds fill_graph_buffers and
-graph.replay, and compute_logits, which the graphs of up to 16 rows run inside). No torch profiler: under CUPTI a
+holds runner.prepare, which holds graphs.stage (a step a graph runs: its inputs in one copy), run_model, the
+sampler; run_model holds graphs.replay, which holds graph.replay, and compute_logits, which the graphs of up to 16
+rows run inside). No torch profiler: under CUPTI a
 graph launch took 274 us of host time against 14-19 us without (docs/benchmarks.md), which makes the loop look
 host-bound when it is not.
 """
@@ -68,8 +69,7 @@ def main():
              (llm, "_apply", "apply tokens"), (runner.sampler, "forward", "sampler.forward"),
              (runner, "_logprob_dicts", "logprob dicts")]
     if runner.graphs is not None:
-        parts += [(runner.graphs, "replay", "graphs.replay"), (runner.backend, "fill_graph_buffers",
-                                                                "fill_graph_buffers")]
+        parts += [(runner.graphs, "replay", "graphs.replay"), (runner.graphs, "stage", "graphs.stage")]
         for graph in runner.graphs.graphs.values():
             timed(graph, "replay", "graph.replay")
     for obj, name, label in parts:

@@ -387,7 +387,9 @@ def test_an_llm_dropped_without_exit_is_shut_down_and_freed(qwen3_tied, monkeypa
 
 def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
     # host time per decode step went mostly to small tensors each pinned and copied (benchmarks/host_time.py): the
-    # step's ids, positions and previous-step rows travel in one int64 copy, its attention metadata in one int32 copy
+    # step's ids, positions and previous-step rows travel in one int64 copy, its attention metadata in one int32 copy;
+    # where a decode graph runs the step (CUDA), all of them in one copy straight into the graphs' buffers
+    # (DecodeGraphs.stage, tests/test_graph_inputs.py), none through _to_device
     from nanovllm.utils.context import to_device_packed
     with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128) as llm:
         runner = llm.executor.runner
@@ -400,11 +402,14 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
             return torch.tensor(data, dtype=dtype)
         runner._to_device = to_device
         fb, rows = runner._prepare_decode(seqs, [1, -1])
-    assert copies == [torch.int32, torch.int64]
+        staged = runner.graphs is not None
+    assert copies == ([] if staged else [torch.int32, torch.int64]) and fb.staged == staged
     assert fb.input_ids.tolist() == [seq.last_token for seq in seqs] and rows.tolist() == [1, -1]
     assert fb.positions.tolist() == [len(seq) - 1 for seq in seqs]
     assert fb.context.context_lens.tolist() == [len(seq) for seq in seqs]
-    assert fb.context.block_tables.tolist() == [seqs[0].block_table, seqs[1].block_table + [-1]]
+    width = len(seqs[0].block_table)  # (the graphs' tables are wider, padded with -1)
+    assert fb.context.block_tables[:, :width].tolist() == [seqs[0].block_table, seqs[1].block_table + [-1]]
+    assert (fb.context.block_tables[:, width:] == -1).all()
     assert fb.context.slot_mapping.tolist() == [seq.block_table[-1] * 16 + seq.last_block_num_tokens - 1
                                                 for seq in seqs]
     # each part starts 16-byte aligned, as a tensor of its own would (Triton specializes on pointer alignment)

@@ -435,3 +435,33 @@ def test_topk_path_matches_the_sort_path():
         keep = (a + b) > 0
         chi2 = float(((a[keep] - b[keep]) ** 2 / (a[keep] + b[keep])).sum())  # two-sample chi-square
         assert chi2 < CHI2_999[int(keep.sum()) - 1]
+
+
+def test_step_seeds_come_from_one_block_aligned_distinct_and_reproducible():
+    # a decode step's seed for the race kernel is an element of a block drawn at once (no kernel a step); each
+    # starts 16-byte aligned, since Triton compiles a kernel per pointer alignment
+    from nanovllm.layers.sampler import SEED_BLOCK
+
+    def seeds(n, seed=0):
+        sampler, gen = Sampler(), torch.Generator().manual_seed(seed)
+        out = [sampler._step_seed(gen, torch.device("cpu")) for _ in range(n)]
+        assert all(s.numel() == 1 and s.data_ptr() % 16 == 0 for s in out)
+        return [s.item() for s in out]
+    first = seeds(SEED_BLOCK + 3)
+    assert len(set(first)) == len(first)  # a new block past the first, not the same seeds again
+    assert seeds(SEED_BLOCK + 3) == first and seeds(5, seed=1) != first[:5]
+
+
+def test_prepare_sends_the_clamped_temperatures_with_the_temperatures():
+    from nanovllm.layers.sampler import MIN_TEMPERATURE
+    copies = []
+
+    def to_device(data, dtype):
+        copies.append(dtype)
+        return torch.tensor(data, dtype=dtype)
+    from nanovllm.engine.sequence import Sequence
+    seqs = [Sequence([1, 2, 3], 16, SamplingParams(temperature=t)) for t in (0.0, 0.7, 1e-7)]
+    st = Sampler().prepare(seqs, [True] * 3, to_device)
+    assert copies == [torch.float32]
+    assert st.temperatures.tolist() == torch.tensor([0.0, 0.7, 1e-7]).tolist()
+    assert st.clamped.tolist() == torch.tensor([0.0, 0.7, 1e-7]).clamp(min=MIN_TEMPERATURE).tolist()

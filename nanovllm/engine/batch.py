@@ -48,6 +48,7 @@ class ForwardBatch:
     sampling: SamplingTensors | None
     prompt_rows: torch.Tensor | None = None  # [rows] int64: hidden rows whose logits score prompt tokens
     prompt_hidden: torch.Tensor | None = None  # those rows' hidden states, kept by run_model
+    staged: bool = False  # input_ids, positions and context are the decode graphs' own buffers (DecodeGraphs.stage)
 
 
 @dataclass

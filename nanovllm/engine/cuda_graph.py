@@ -1,6 +1,9 @@
 """Decode-only CUDA graphs: one graph per batch-size bucket, sharing static buffers and one memory pool."""
 import bisect
+import dataclasses
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from nanovllm.utils.context import Context, reset_context, set_context
@@ -37,6 +40,56 @@ def compile_buckets(buckets: list[int]) -> list[int]:
     return [b for b in buckets if b <= 16 or b & (b - 1) == 0 or b % 16 or b == buckets[-1]]
 
 
+class StaticInputs:
+    """Named tensors carved from one device buffer, so that one host-to-device copy writes a step's values into all
+    of them: a decode step used to copy each from a packed device tensor by a kernel of its own, 5-8 small device
+    operations between two graphs (docs/benchmarks.md). Each tensor starts 16-byte aligned (Triton compiles a
+    kernel per pointer alignment). The host side is numpy over a few pinned images taken in turn (torch calls on
+    small host tensors cost microseconds each, which batch 1 pays in ms/token); `stage` rebuilds all it copies from
+    the tensors' initial values (their padding), so no row keeps a value of an earlier step."""
+
+    HOST_IMAGES = 4  # an image is written again only once the copy from it four steps ago is done
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device):
+        self.layout, size = {}, 0  # name -> (byte offset, shape, dtype)
+        for name, t in tensors.items():
+            self.layout[name] = (size, t.shape, t.dtype)
+            size += -(-t.numel() * t.element_size() // 16) * 16
+        self.last = name  # the one whose rows a step copies only as far as its bucket
+        self.row_bytes = tensors[name][0].numel() * tensors[name].element_size()
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.views = {name: self._view(self.buffer, name) for name in tensors}
+        pin = self.buffer.is_cuda
+        self.template = torch.empty(size, dtype=torch.uint8)  # the initial values, on the host
+        self.images = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(self.HOST_IMAGES)]
+        self.image_views = [{name: self._view(image, name).numpy() for name in tensors} for image in self.images]
+        self.copied = [torch.cuda.Event() if pin else None for _ in self.images]
+        self.turn = 0
+        for name, t in tensors.items():
+            self.views[name].copy_(t)
+            self._view(self.template, name).copy_(t.cpu())
+        self.template_np = self.template.numpy()
+        self.images_np = [image.numpy() for image in self.images]
+
+    def _view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        start, shape, dtype = self.layout[name]
+        return buffer[start:start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+
+    def stage(self, last_rows: int, write: Callable[[dict[str, np.ndarray]], None]):
+        """`write` puts a step's values into numpy views of a host image (initial values wherever it writes
+        nothing); one copy then sends every tensor, the last one only as far as its first `last_rows` rows."""
+        i, self.turn = self.turn, (self.turn + 1) % len(self.images)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # (long done: the copy went four steps ago)
+        size = self.layout[self.last][0] + last_rows * self.row_bytes
+        image = self.images[i]
+        np.copyto(self.images_np[i][:size], self.template_np[:size])
+        write(self.image_views[i])
+        self.buffer[:size].copy_(image[:size], non_blocking=True)
+        if self.copied[i] is not None:
+            self.copied[i].record()
+
+
 class DecodeGraphs:
     """Static input buffers plus one graph per bucket. The attention metadata buffers are the backend's
     (`graph_buffers`), so graphs work for any backend that supports them. Built in two steps: the buffers here,
@@ -51,9 +104,18 @@ class DecodeGraphs:
         max_bs = self.buckets[-1]
         max_blocks = (cfg.max_model_len + runner.block_size - 1) // runner.block_size
         hidden = cfg.hf_config.hidden_size
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.metadata = backend.graph_buffers(max_bs, max_blocks, device)
+        metadata = backend.graph_buffers(max_bs, max_blocks, device)
+        fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)
+                  if isinstance(getattr(metadata, f.name), torch.Tensor)}
+        # every input of the graphs in one buffer (stage); the block tables, the largest, last
+        self.inputs = StaticInputs({"input_ids": torch.zeros(max_bs, dtype=torch.int64),
+                                    "positions": torch.zeros(max_bs, dtype=torch.int64),
+                                    "rows": torch.full((max_bs,), -1, dtype=torch.int64),
+                                    **dict(sorted(fields.items(), key=lambda f: f[1].numel()))}, device)
+        views = self.inputs.views
+        self.input_ids, self.positions, self.rows = views["input_ids"], views["positions"], views["rows"]
+        self.step_views: dict[int, tuple] = {}  # stage's views by batch size
+        self.metadata = dataclasses.replace(metadata, **{name: views[name] for name in fields})
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits_rows = LOGITS_IN_GRAPH_ROWS if cfg.tensor_parallel_size == 1 else 0
@@ -110,15 +172,38 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               context: Context) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def stage(self, input_ids: list[int], positions: list[int], rows: list[int] | None, slot_mapping: list[int],
+              context_lens: list[int], block_tables: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, Context, torch.Tensor]:
+        """A decode step's inputs written into the graphs' buffers by one copy (replay(staged=True) then copies
+        nothing); rows: _previous_rows' list, the metadata as the backend's decode_context takes it. Returns the
+        buffers' views of the step's input ids, positions, context and rows (rows: empty when None)."""
+        bs = len(input_ids)
+
+        def write(views: dict[str, np.ndarray]):
+            views["input_ids"][:bs] = input_ids
+            views["positions"][:bs] = positions
+            if rows is not None:
+                views["rows"][:bs] = rows
+            self.backend.write_graph_step(views, slot_mapping, context_lens, block_tables)
+        self.inputs.stage(bucket_for(self.buckets, bs), write)
+        if bs not in self.step_views:  # (views cost host time too: one set per batch size)
+            self.step_views[bs] = (self.input_ids[:bs], self.positions[:bs],
+                                   self.backend.graph_view(self.metadata, bs), self.rows[:bs])
+        ids, pos, context, rows_view = self.step_views[bs]
+        return ids, pos, context, rows_view if rows is not None else rows_view[:0]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
+               staged: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden rows, None), or (None, logits) from a bucket that computes them. Both are valid until the next
-        replay of any bucket (the logits are in the graphs' shared memory pool): read them on this stream first."""
+        replay of any bucket (the logits are in the graphs' shared memory pool): read them on this stream first.
+        staged: the inputs are already in the buffers (stage)."""
         bs = input_ids.size(0)
         bucket = bucket_for(self.buckets, bs)
-        self.input_ids[:bs] = input_ids
-        self.positions[:bs] = positions
-        self.backend.fill_graph_buffers(self.metadata, context, bucket)
+        if not staged:
+            self.input_ids[:bs] = input_ids
+            self.positions[:bs] = positions
+            self.backend.fill_graph_buffers(self.metadata, context, bucket)
         self.graphs[bucket].replay()
         if bucket in self.logits:
             return None, self.logits[bucket][:bs]

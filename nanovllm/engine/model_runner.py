@@ -261,6 +261,10 @@ class ModelRunner:
             positions.append(len(seq) - 1)
             context_lens.append(len(seq))
             slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
+        if self.graphs is not None and self.graphs.can_run(len(seqs)):  # straight into the graphs' buffers
+            input_ids, positions, context, rows = self.graphs.stage(input_ids, positions, rows, slot_mapping,
+                                                                    context_lens, self._padded_tables(seqs))
+            return ForwardBatch(input_ids, positions, context, None, staged=True), rows
         context = self.backend.decode_context(self._to_device, slot_mapping, context_lens, self._padded_tables(seqs))
         input_ids, positions, rows = to_device_packed(self._to_device, [input_ids, positions, rows or []],
                                                       torch.int64)
@@ -290,9 +294,13 @@ class ModelRunner:
             fb, rows_device = self._prepare_decode(seqs, rows)
         if rows is not None:
             if not batch.is_prefill and rows == list(range(len(rows))):  # each sequence keeps its row (steady
-                fb.input_ids = previous.tokens[:len(rows)].to(torch.int64)  # decode): a view, no kernel
+                input_ids = previous.tokens[:len(rows)]  # decode): a view, no kernel
             else:
-                fb.input_ids = torch.where(rows_device >= 0, previous.tokens[rows_device.clamp(min=0)], fb.input_ids)
+                input_ids = torch.where(rows_device >= 0, previous.tokens[rows_device.clamp(min=0)], fb.input_ids)
+            if fb.staged:  # the graphs read their own buffer
+                fb.input_ids.copy_(input_ids)
+            else:
+                fb.input_ids = input_ids.to(torch.int64)
         if self.rank == 0:
             fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device, batch.out_index)
         return fb
@@ -302,7 +310,7 @@ class ModelRunner:
         """Logits [rows of logits_indices, vocab] on rank 0 (None on the other ranks)."""
         set_context(fb.context)
         if not fb.context.is_prefill and self.graphs is not None and self.graphs.can_run(fb.input_ids.size(0)):
-            hidden, logits = self.graphs.replay(fb.input_ids, fb.positions, fb.context)
+            hidden, logits = self.graphs.replay(fb.input_ids, fb.positions, fb.context, fb.staged)
             if logits is not None:  # a small bucket's graph computes them (decode has no prompt rows); they live in
                 return logits  # the graphs' pool until the next replay: this step's sampler is queued before it
         else:

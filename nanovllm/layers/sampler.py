@@ -16,8 +16,10 @@ from nanovllm.layers.logits_processors import (
 )
 from nanovllm.sampling_params import sample_seed
 from nanovllm.structured_outputs import grammar_threads
-from nanovllm.utils.context import ToDevice
+from nanovllm.utils.context import ToDevice, to_device_packed
 
+MIN_TEMPERATURE = 1e-5  # the race divides by the temperature: a greedy row's 0 is clamped to this
+SEED_BLOCK = 4096  # steps' seeds drawn at once (Sampler._step_seed)
 MAX_LOGPROBS_FUSED = 32  # kernels/logprobs.MAX_K (not imported here: that module needs Triton)
 
 
@@ -42,6 +44,7 @@ class SamplingTensors:
     keys: torch.Tensor | None = None  # [batch] int64
     streams: torch.Tensor | None = None  # [batch] int64
     num_logprobs: int = -1  # top-k logprobs to return (-1: none)
+    clamped: torch.Tensor | None = None  # [batch] the temperatures clamped away from 0 (prepare: one copy with them)
 
 
 class Sampler(nn.Module):
@@ -64,6 +67,7 @@ class Sampler(nn.Module):
         self.grammar = GrammarProcessor(grammar_threads(self.device.type))
         # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
+        self._seeds, self._seeds_used, self._seeds_from = None, 0, None  # _step_seed's block
 
     def use_compiled(self, enabled: bool = True):
         """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py), the penalties in
@@ -83,9 +87,11 @@ class Sampler(nn.Module):
         stream of a seeded row's draws on CUDA."""
         sps = [seq.sampling_params for seq in seqs]
         vocab = self.vocab_size
-        st = SamplingTensors(to_device([sp.temperature for sp in sps], torch.float32),
-                             any_greedy=any(sp.greedy for sp in sps), all_greedy=all(sp.greedy for sp in sps),
-                             vocab_size=vocab)
+        temperatures = [sp.temperature for sp in sps]
+        temperatures, clamped = to_device_packed(to_device, [temperatures, [max(t, MIN_TEMPERATURE) for t in
+                                                                             temperatures]], torch.float32)
+        st = SamplingTensors(temperatures, any_greedy=any(sp.greedy for sp in sps),
+                             all_greedy=all(sp.greedy for sp in sps), vocab_size=vocab, clamped=clamped)
         if any(sp.needs_filtering for sp in sps):
             if any(sp.top_k > 0 for sp in sps):
                 top_ks = [min(sp.top_k, vocab) if sp.top_k > 0 and not sp.greedy else vocab for sp in sps]
@@ -134,13 +140,14 @@ class Sampler(nn.Module):
         if st.all_greedy:  # nothing to draw: skip the softmax and the noise
             tokens = logits.argmax(-1)
         else:
-            temperatures = st.temperatures.clamp(min=1e-5).unsqueeze(1)
+            temperatures = (st.clamped if st.clamped is not None else
+                            st.temperatures.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
             # Philox draws keyed by this step's seed and a seeded row's own key: the race kernel's own, or the same
             # as a tensor (exp_draws) where a seeded row needs them outside it; top-k / top-p or eager batches
             # without a seeded row draw from the generator (no kernel to compile for them)
             draws = seed = None
             if st.keys is not None or (self.race_draws and not filtered):
-                seed = torch.randint(1 << 62, (1,), generator=generator, device=logits.device)
+                seed = self._step_seed(generator, logits.device)
             if st.keys is not None:
                 from nanovllm.layers.kernels.race import exp_draws
                 draws = functools.partial(exp_draws, seed, keys=st.keys, streams=st.streams)
@@ -157,6 +164,16 @@ class Sampler(nn.Module):
         if raw is None:
             return tokens, None
         return tokens, self.logprobs(raw, st.num_logprobs, tokens)
+
+    def _step_seed(self, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        """This step's seed for the race's own draws: one element of a block drawn at once, so that a step launches
+        no kernel for it (a draw a step cost a kernel and its gap, about 3 us). Every other element is used, so
+        each seed starts 16-byte aligned: Triton compiles a kernel per pointer alignment."""
+        if self._seeds is None or self._seeds_used == SEED_BLOCK or self._seeds_from is not generator:
+            self._seeds = torch.randint(1 << 62, (SEED_BLOCK, 2), generator=generator, device=device)
+            self._seeds_used, self._seeds_from = 0, generator
+        self._seeds_used += 1
+        return self._seeds[self._seeds_used - 1, :1]
 
     def _fused_logprobs(self, k: int, vocab: int) -> bool:
         """Logprobs from one kernel pass over the logits as they are (CUDA, compiled), else torch over float32."""

@@ -76,6 +76,15 @@ class AttentionBackend:
         buffers.context_lens[:batch] = step.context_lens
         buffers.block_tables[:batch, : step.block_tables.size(1)] = step.block_tables
 
+    def write_graph_step(self, views: dict, slot_mapping: list[int], context_lens: list[int],
+                         block_tables: list[list[int]]):
+        """What fill_graph_buffers does, into numpy views of a host image of the buffers (engine/cuda_graph.py,
+        DecodeGraphs.stage), whose other rows and columns hold the buffers' initial values (their padding)."""
+        n = len(slot_mapping)
+        views["slot_mapping"][:n] = slot_mapping
+        views["context_lens"][:n] = context_lens
+        views["block_tables"][:n, :len(block_tables[0])] = block_tables
+
     # ---- the kernels --------------------------------------------------------------------------------
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
