@@ -175,9 +175,9 @@ class DecodeGraphs:
     def stage(self, input_ids: list[int], positions: list[int], rows: list[int] | None, slot_mapping: list[int],
               context_lens: list[int], block_tables: list[list[int]]
               ) -> tuple[torch.Tensor, torch.Tensor, Context, torch.Tensor]:
-        """A decode step's inputs written into the graphs' buffers by one copy (replay(staged=True) then copies
-        nothing); rows: _previous_rows' list, the metadata as the backend's decode_context takes it. Returns the
-        buffers' views of the step's input ids, positions, context and rows (rows: empty when None)."""
+        """A decode step's inputs written into the graphs' buffers by one copy, for replay(); rows: _previous_rows'
+        list, the metadata as the backend's decode_context takes it. Returns the buffers' views of the step's input
+        ids, positions, context and rows (rows: empty when None)."""
         bs = len(input_ids)
 
         def write(views: dict[str, np.ndarray]):
@@ -193,17 +193,11 @@ class DecodeGraphs:
         ids, pos, context, rows_view = self.step_views[bs]
         return ids, pos, context, rows_view if rows is not None else rows_view[:0]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context,
-               staged: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden rows, None), or (None, logits) from a bucket that computes them. Both are valid until the next
-        replay of any bucket (the logits are in the graphs' shared memory pool): read them on this stream first.
-        staged: the inputs are already in the buffers (stage)."""
-        bs = input_ids.size(0)
+    def replay(self, bs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the step of `bs` sequences that stage() wrote into the buffers: (hidden rows, None), or (None, logits)
+        from a bucket that computes them. Both are valid until the next replay of any bucket (the logits are in the
+        graphs' shared memory pool): read them on this stream first."""
         bucket = bucket_for(self.buckets, bs)
-        if not staged:
-            self.input_ids[:bs] = input_ids
-            self.positions[:bs] = positions
-            self.backend.fill_graph_buffers(self.metadata, context, bucket)
         self.graphs[bucket].replay()
         if bucket in self.logits:
             return None, self.logits[bucket][:bs]

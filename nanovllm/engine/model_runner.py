@@ -309,8 +309,8 @@ class ModelRunner:
     def run_model(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [rows of logits_indices, vocab] on rank 0 (None on the other ranks)."""
         set_context(fb.context)
-        if not fb.context.is_prefill and self.graphs is not None and self.graphs.can_run(fb.input_ids.size(0)):
-            hidden, logits = self.graphs.replay(fb.input_ids, fb.positions, fb.context, fb.staged)
+        if fb.staged:  # a decode step in the graphs' buffers (_prepare_decode, where a graph runs its batch size)
+            hidden, logits = self.graphs.replay(fb.input_ids.size(0))
             if logits is not None:  # a small bucket's graph computes them (decode has no prompt rows); they live in
                 return logits  # the graphs' pool until the next replay: this step's sampler is queued before it
         else:

@@ -65,21 +65,11 @@ class AttentionBackend:
         return Context(False, slot_mapping=buffers.slot_mapping[:batch], context_lens=buffers.context_lens[:batch],
                        block_tables=buffers.block_tables[:batch])
 
-    def fill_graph_buffers(self, buffers: Context, step: Context, bucket: int):
-        """Copy a step's metadata into the buffers before the replay of a `bucket`-row graph: rows from the step's
-        batch to the bucket become padding (write nothing, read nothing); the graph reads no row past it."""
-        batch = step.slot_mapping.size(0)
-        if batch < bucket:
-            buffers.slot_mapping[batch:bucket].fill_(-1)
-            buffers.context_lens[batch:bucket].zero_()
-        buffers.slot_mapping[:batch] = step.slot_mapping
-        buffers.context_lens[:batch] = step.context_lens
-        buffers.block_tables[:batch, : step.block_tables.size(1)] = step.block_tables
-
     def write_graph_step(self, views: dict, slot_mapping: list[int], context_lens: list[int],
                          block_tables: list[list[int]]):
-        """What fill_graph_buffers does, into numpy views of a host image of the buffers (engine/cuda_graph.py,
-        DecodeGraphs.stage), whose other rows and columns hold the buffers' initial values (their padding)."""
+        """A decode step's metadata into numpy views of a host image of the buffers (engine/cuda_graph.py,
+        DecodeGraphs.stage), whose other rows and columns hold the buffers' initial values: rows past the step's
+        batch are padding (write nothing, read nothing)."""
         n = len(slot_mapping)
         views["slot_mapping"][:n] = slot_mapping
         views["context_lens"][:n] = context_lens
