@@ -1,9 +1,9 @@
 """Small-batch latency and prefill throughput (issue #14's rows), Qwen3-0.6B shape with random weights.
 
-    python benchmarks/latency.py [--model PATH] [--prefill-seqs 512] [--batches 1 16 64]
+    python benchmarks/latency.py [--model PATH] [--prefill-seqs 512] [--batches 1 16 64] [--prompt-len 512]
 
-- decode ms/token at batch 1, 16 and 64: prompts of 512 random tokens; (time for 1 + N tokens - time for 1
-  token) / N, so prefill is left out; median of three runs.
+- decode ms/token at batch 1, 16 and 64: prompts of 512 random tokens (--prompt-len: the decode rows' contexts
+  start there); (time for 1 + N tokens - time for 1 token) / N, so prefill is left out; median of three runs.
 - time to first token for one 512-token prompt (max_tokens 1), median of five.
 - prefill-heavy: `--prefill-seqs` prompts x 2048 random tokens, max_tokens 1: prompt tokens per second.
 Prefix caching is off, so every run computes its prompts. Each row starts after `--clocks-up` seconds of matmuls
@@ -57,10 +57,11 @@ def main():
     p.add_argument("--prefill-seqs", type=int, default=512, help="0: no prefill row")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the decode rows")
     p.add_argument("--clocks-up", type=float, default=3.0, help="seconds of matmuls before each timed row (0: none)")
     args = p.parse_args()
-    if args.new_tokens < 1 or args.prefill_seqs < 0 or min(args.batches) < 1:
-        p.error("--new-tokens and every --batches value must be at least 1, --prefill-seqs at least 0")
+    if args.new_tokens < 1 or args.prefill_seqs < 0 or min(args.batches) < 1 or args.prompt_len < 1:
+        p.error("--new-tokens, --prompt-len and every --batches value must be at least 1, --prefill-seqs at least 0")
     dummy = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
     t = time.perf_counter()
     llm = LLM(args.model, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **dummy)
@@ -71,11 +72,12 @@ def main():
         per_token = []
         clocks_up(args.clocks_up)
         for _ in range(3):
-            first = timed(llm, prompts(batch, 512), 1)
-            full = timed(llm, prompts(batch, 512), 1 + args.new_tokens)
+            first = timed(llm, prompts(batch, args.prompt_len), 1)
+            full = timed(llm, prompts(batch, args.prompt_len), 1 + args.new_tokens)
             per_token.append((full - first) / args.new_tokens)
         ms = statistics.median(per_token) * 1e3
         runs = ", ".join(f"{t * 1e3:.3f}" for t in per_token)
+        runs += "" if args.prompt_len == 512 else f"; {args.prompt_len}-token prompts"
         rows.append(f"decode batch {batch:3d}: {ms:6.3f} ms/token ({batch / ms * 1e3:,.0f} tok/s; runs {runs})")
         print(rows[-1], flush=True)
     clocks_up(args.clocks_up)
