@@ -19,10 +19,6 @@ def _graphs(max_num_seqs=20, max_model_len=1000, block_size=64):
     return DecodeGraphs(runner)
 
 
-def _on_host(data, dtype):
-    return torch.tensor(data, dtype=dtype)
-
-
 def test_static_inputs_are_views_of_one_buffer_aligned_and_initialized():
     inputs = StaticInputs({"a": torch.arange(3, dtype=torch.int64), "b": torch.full((5,), -1, dtype=torch.int32),
                            "c": torch.zeros(4, 3, dtype=torch.float32)}, torch.device("cpu"))
