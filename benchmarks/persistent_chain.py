@@ -12,10 +12,10 @@ gate_up, SiLU-and-mul, down; Qwen3-0.6B shapes; no norms, rotary or attention) t
     python benchmarks/persistent_chain.py [--layers 28] [--stages 16] [--tile-k 128] [--check] [--diag 1 4 7]
 
 A measurement, not an engine path: how much a whole-forward persistent kernel (norms, rotary and attention too)
-could gain at batch 16 (issue #14's batch-16 row). On one H200
-(2026-12-04, docs/benchmarks.md): separate 20.2 us a layer; persistent 27.2-32.5 as built (29.2 with the staged
-activations' loads three chunks ahead); a grid barrier 0.97-0.99 us; with the tiles' products, the activations'
-staging and the refill barrier all left out (diag 7, wrong answers) 15.9, the floor of this design."""
+could gain at batch 16 (issue #14's batch-16 row). On one H200 (2026-12-04, docs/benchmarks.md): separate 20.2
+us a layer; persistent 27.2-32.7 before the staged activations' loads went three chunks ahead (tile K 128-256),
+29.2 after (tile K 128); a grid barrier 0.97-0.99 us; with the tiles' products, the activations' staging and the
+refill barrier all left out (diag 7, wrong answers) 15.9, the floor of this design."""
 import argparse
 import os
 import sys
