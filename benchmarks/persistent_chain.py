@@ -318,14 +318,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--stages", type=int, nargs="+", default=[16], help="ring slots (of 8 KB at --tile-k 128)")
-    p.add_argument("--tile-k", type=int, nargs="+", default=[128], help="K of a weight tile: 64, 128 or 256")
-    p.add_argument("--programs", type=int, default=128, help="a divisor of 128 (the phases' unit counts)")
+    p.add_argument("--tile-k", type=int, nargs="+", default=[128], choices=[64, 128, 256],
+                   help="K of a weight tile")
+    p.add_argument("--programs", type=int, default=128, help="one an SM, at most the GPU's SM count")
     p.add_argument("--check", action="store_true", help="against float32 torch on 2 layers first")
-    p.add_argument("--diag", type=int, nargs="*", default=[], help="timing variants (persistent()'s diag bits)")
+    p.add_argument("--diag", type=int, nargs="*", default=[], choices=range(8),
+                   help="timing variants (persistent()'s diag bits)")
     args = p.parse_args()
+    if args.layers < 1 or min(args.stages) < 1 or args.programs < 1:
+        p.error("--layers, --stages and --programs must be at least 1")
+    # the ring and the staged activations (1,024 columns of 16 rows) in Hopper's 227 KB of shared memory a block
+    too_big = [(k, s) for k in args.tile_k for s in args.stages if s * TN * k * 2 + ROWS * 1024 * 2 > 227 * 1024]
+    if too_big:
+        p.error(f"--stages x --tile-k past Hopper's shared memory: {too_big} (e.g. 16 slots at 128, 8 at 256)")
     if decode_tma.gluon is None or not torch.cuda.is_available():
         sys.exit("needs a Hopper GPU and a Triton with Gluon")
     dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if args.programs > sms:  # the grid barrier needs every program resident at once
+        p.error(f"--programs {args.programs} is more than this GPU's {sms} SMs")
     x = torch.randn(ROWS, 1024, device=dev)
     configs = [(bk, stages) for bk in args.tile_k for stages in args.stages]
     if args.check:
