@@ -482,36 +482,62 @@ def test_gpu_decode_tma(stages, heads, kv_heads, head_dim, block_size, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype,block_size", [(torch.bfloat16, 256), (torch.float16, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64)])
+@pytest.mark.parametrize("stages", [3, 4])
+def test_gpu_decode_tma_fp8(stages, heads, kv_heads, head_dim, block_size, dtype, kv_dtype):
+    from nanovllm.layers.attention.fp8 import token_major
+    from nanovllm.layers.kernels import decode_tma
+    from tests.triton_kernel_checks import check_decode_tma
+    cache = torch.zeros(1, block_size, kv_heads, head_dim, dtype=kv_dtype, device="cuda")
+    scales = torch.zeros(1, kv_heads, block_size, device="cuda")
+    if not decode_tma.usable(torch.zeros(1, heads, head_dim, dtype=dtype, device="cuda"), cache, token_major(cache),
+                             scales, scales):
+        pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
+    check_decode_tma([640, 1, 63, 64, 65, 0, 4096, 129, 255, 256, 257, 3000, 511, 2, 1000, 192], block_size, heads,
+                     kv_heads, head_dim, dtype, stages, kv_dtype)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
     # the engine's path (decode_attention): the TMA ring at 12-33 sequences with 8 KV heads and a bound up to 4,096
-    # tokens, the split-K kernel otherwise (and with NANOVLLM_DECODE_TMA=0); both give the same attention
+    # tokens, the split-K kernel otherwise (and with NANOVLLM_DECODE_TMA=0), for a 16-bit and an fp8 cache; both
+    # give the same attention
+    from nanovllm.layers.attention.fp8 import token_major
     from nanovllm.layers.kernels import decode, decode_tma
-    from tests.triton_kernel_checks import block_tables_for, random_cache
+    from tests.triton_kernel_checks import block_tables_for, random_cache, random_fp8_cache
     if not decode_tma.stages_for(128, 4096, decode.sm_count(torch.device("cuda"))):
         pytest.skip("no Gluon here")
     picked, tma = [], decode_tma.decode_attention_tma
     monkeypatch.setattr(decode_tma, "decode_attention_tma", lambda *a, **k: picked.append(a[6]) or tma(*a, **k))
     sms = decode.sm_count(torch.device("cuda"))
 
-    def attend(batch, width):
+    def attend(batch, width, kv_dtype=None):
         picked.clear()
         lens = [700 - 3 * i for i in range(batch)]
-        k, v = random_cache(batch * width, 256, 8, 128, torch.bfloat16, "cuda")
+        scales = {}
+        if kv_dtype is None:
+            k, v = random_cache(batch * width, 256, 8, 128, torch.bfloat16, "cuda")
+        else:  # (V token-major, as the engine stores an fp8 cache)
+            k, v, k_scale, v_scale = random_fp8_cache(batch * width, 256, 8, 128, kv_dtype, "cuda")
+            v, scales = token_major(v), dict(k_scale=k_scale, v_scale=v_scale)
         tables = torch.full((batch, width), -1, dtype=torch.int32, device="cuda")
         t = block_tables_for(lens, 256, batch * width, "cuda")
         tables[:, :t.size(1)] = t
         q = torch.randn(batch, 16, 128, dtype=torch.bfloat16, device="cuda")
         ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        out = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5)
-        split_k = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, max_split_tokens=128)
+        out = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, **scales)
+        split_k = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, max_split_tokens=128, **scales)
         torch.testing.assert_close(out.float(), split_k.float(), atol=2e-2, rtol=2e-2)
         return list(picked)
-    assert attend(16, 16) == [4 if 128 <= sms else 3]
-    assert attend(32, 16) == ([3] if 256 <= 2 * sms else [])
-    assert attend(8, 16) == []  # 64 programs
-    assert attend(16, 17) == []  # a bound of 4,352 tokens
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        assert attend(16, 16, kv_dtype) == [4 if 128 <= sms else 3]
+        assert attend(32, 16, kv_dtype) == ([3] if 256 <= 2 * sms else [])
+        assert attend(8, 16, kv_dtype) == []  # 64 programs
+        assert attend(16, 17, kv_dtype) == []  # a bound of 4,352 tokens
     monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
-    assert attend(16, 16) == []
+    assert attend(16, 16) == [] and attend(16, 16, torch.float8_e4m3fn) == []
 
 
 @pytest.mark.gpu
@@ -638,16 +664,17 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
+@pytest.mark.parametrize("rows,kv_dtype", [(1, None), (16, None), (16, torch.float8_e4m3fn)])
+def test_gpu_layer_chain_under_pdl(rows, kv_dtype, monkeypatch):
     """Two decoder layers' kernels at decode shapes (Qwen3-0.6B), each reading what the one before wrote: launched
     under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, decode attention with its early
-    L2 prefetch at 1 row, and at 16 rows the TMA ring, which copies the tiles before the new token before its wait),
-    replayed as a CUDA graph with new inputs, they give the bits of plain launches. A kernel that read before the
-    one before it had finished would not."""
+    L2 prefetch at 1 row, and at 16 rows the TMA ring, which copies the tiles before the new token before its wait,
+    from a 16-bit or an fp8 cache), replayed as a CUDA graph with new inputs, they give the bits of plain launches.
+    A kernel that read before the one before it had finished would not."""
+    from nanovllm.layers.attention.fp8 import raw, token_major
     from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
-    from tests.triton_kernel_checks import block_tables_for, random_cache
+    from tests.triton_kernel_checks import block_tables_for, random_cache, random_fp8_cache
     if not pdl.pdl_enabled(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch here (before Hopper, or NANOVLLM_PDL=0)")
     torch.manual_seed(rows)
@@ -660,8 +687,12 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
                weight(2 * inter, hidden), weight(hidden, inter)) for _ in range(2)]
     nw, q_w, k_w = torch.rand(hidden, **bf16) + 0.5, torch.rand(head_dim, **bf16) + 0.5, torch.rand(head_dim, **bf16)
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to("cuda").cos_sin_cache
-    start = [random_cache(rows * width, block_size, kv_heads, head_dim, torch.bfloat16, "cuda") for _ in layers]
-    caches = [(k.clone(), v.clone()) for k, v in start]
+    if kv_dtype is None:
+        start = [random_cache(rows * width, block_size, kv_heads, head_dim, torch.bfloat16, "cuda") for _ in layers]
+    else:  # (K, V token-major, K scales, V scales), as the engine stores an fp8 cache
+        start = [random_fp8_cache(rows * width, block_size, kv_heads, head_dim, kv_dtype, "cuda") for _ in layers]
+        start = [(k, token_major(v), ks, vs) for k, v, ks, vs in start]
+    caches = [tuple(t.clone() for t in c) for c in start]
     x, res = torch.empty(rows, hidden, **bf16), torch.empty(rows, hidden, **bf16)
     lens = torch.empty(rows, dtype=torch.int32, device="cuda")
     tables = torch.full((rows, width), -1, dtype=torch.int32, device="cuda")
@@ -676,13 +707,14 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
 
     def step():
         h, r = norm.add_rms_norm(x, res, nw, eps)
-        for (w_qkv, w_o, w_gate_up, w_down), (k_cache, v_cache) in zip(layers, caches):
+        for (w_qkv, w_o, w_gate_up, w_down), (k_cache, v_cache, *scales) in zip(layers, caches):
             qkv = gemv.gemv(h, w_qkv)
             q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
             k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
-            rope.qk_norm_rope_(q, k, positions, cos_sin, q_w, k_w, eps, store=(v, k_cache, v_cache, slots))
-            o = decode.decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5)
+            rope.qk_norm_rope_(q, k, positions, cos_sin, q_w, k_w, eps, store=(v, k_cache, v_cache, slots, *scales))
+            o = decode.decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5,
+                                        **dict(zip(("k_scale", "v_scale"), scales)))
             h, r = norm.add_rms_norm(gemv.gemv(o.view(rows, -1), w_o), r, nw, eps)
             h = gemv.gemv(activation.silu_and_mul(gemv.gemv(h, w_gate_up)), w_down)
             h, r = norm.add_rms_norm(h, r, nw, eps)
@@ -700,9 +732,9 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
         slots.copy_(table.gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size)
         x.copy_(torch.randn(rows, hidden, generator=gen).to(x))
         res.copy_(torch.randn(rows, hidden, generator=gen).to(res))
-        for (k, v), (k0, v0) in zip(caches, start):
-            k.copy_(k0)
-            v.copy_(v0)
+        for cache, cache0 in zip(caches, start):
+            for t, t0 in zip(cache, cache0):
+                t.copy_(t0)
 
     inputs(0)
     step()  # compile outside the capture
@@ -721,12 +753,12 @@ def test_gpu_layer_chain_under_pdl(rows, monkeypatch):
         inputs(i)
         graph.replay()
         torch.cuda.synchronize()
-        got.append([t.clone() for t in (*out, *caches[0], *caches[1])])
+        got.append([raw(t).clone() for t in (*out, *caches[0], *caches[1])])
     for module in (activation, decode, decode_tma, gemv, norm, rope):
         monkeypatch.setattr(module, "pdl_enabled", lambda device: False)
     for i in range(3):
         inputs(i)
-        want = [*step(), *caches[0], *caches[1]]
+        want = [raw(t) for t in (*step(), *caches[0], *caches[1])]  # (fp8 compared as bytes)
         assert all(torch.equal(a, b) for a, b in zip(got[i], want)), f"replay {i}"
 
 
@@ -772,8 +804,8 @@ def test_decode_tma_rule(monkeypatch):
 
 def test_decode_tma_compiles_for_hopper(monkeypatch):
     # the Gluon kernel through this Triton's Gluon API (experimental, renamed between releases), for sm_90 with a
-    # stand-in driver: both ring depths the rule picks, bf16 and fp16, head_dim 128 and 64, and within Hopper's
-    # shared memory
+    # stand-in driver: both ring depths the rule picks, bf16 and fp16, head_dim 128 and 64, a 16-bit and an fp8
+    # cache, and within Hopper's shared memory
     from nanovllm.layers.kernels import decode_tma
     if decode_tma.gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -795,18 +827,23 @@ def test_decode_tma_compiles_for_hopper(monkeypatch):
     monkeypatch.setattr(driver, "_active", NoGpu())
     kernel = decode_tma._decode_tma_kernel  # (its sm_90 builds stay out of the kernel's cache for real launches)
     monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
-    for stages, dtype, heads, kv_heads, head_dim, block_size in [(4, torch.bfloat16, 16, 8, 128, 256),
-                                                                 (3, torch.float16, 32, 4, 64, 64)]:
+    from nanovllm.layers.attention.fp8 import token_major
+    for stages, dtype, heads, kv_heads, head_dim, block_size, kv_dtype in [
+            (4, torch.bfloat16, 16, 8, 128, 256, None), (3, torch.float16, 32, 4, 64, 64, None),
+            (4, torch.bfloat16, 16, 8, 128, 256, torch.float8_e4m3fn), (3, torch.float16, 32, 4, 64, 128,
+                                                                            torch.float8_e5m2)]:
         q = torch.zeros(16, heads, head_dim, dtype=dtype)
-        k, v = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
-        k_desc, v_desc = decode_tma._descriptors(k, v)
+        k, v = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=kv_dtype or dtype) for _ in range(2))
+        scales = [torch.zeros(8, kv_heads, block_size) for _ in range(2)] if kv_dtype else []
+        descs = decode_tma._descriptors(k, token_major(v) if kv_dtype else v, *scales)
         tables = torch.zeros(16, 4, dtype=torch.int32)
         part = torch.zeros(16, 4, dtype=torch.float32)
         kernel = decode_tma._decode_tma_kernel.warmup(
-            q, q, k_desc, v_desc, part, part, part, tables, tables[:, 0], tables, q.stride(0), q.stride(1),
+            q, q, *descs, part, part, part, tables, tables[:, 0], tables, q.stride(0), q.stride(1),
             q.stride(0), q.stride(1), tables.stride(0), 0.1, GROUP=heads // kv_heads, BLOCK_G=16,
-            BLOCK_SIZE=block_size, BLOCK_N=decode_tma.BLOCK_N, HEAD_DIM=head_dim, STAGES=stages,
-            CHUNK_TILES=decode_tma.CHUNK_TILES, PDL=True, num_warps=4, grid=(1,))
+            BLOCK_SIZE=block_size, BLOCK_N=decode_tma.block_n_for(k.dtype), HEAD_DIM=head_dim, STAGES=stages,
+            CHUNK_TILES=decode_tma.CHUNK_TOKENS // decode_tma.block_n_for(k.dtype), PDL=True,
+            QUANT=kv_dtype is not None, num_warps=4, grid=(1,))
         assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (stages, kernel.metadata.shared)
         assert kernel.asm["ptx"].count("cp.async.bulk.tensor") > 0
 

@@ -218,14 +218,23 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
 
 
 def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                     stages: int):
+                     stages: int, kv_dtype=None):
     """The TMA-ring decode kernel (kernels/decode_tma.py, Hopper) against float32 attention over each context's own
-    rows. Every cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel that
-    let a row past a context into its sums would return NaN."""
+    rows. Every 16-bit cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel
+    that let a row past a context into its sums would return NaN. An fp8 cache (kv_dtype; V token-major, as the
+    engine stores it) is zeroed in the engine, so rows past a context are finite there: here they keep random
+    values, with scales 10^4 above any context's, which a kernel must keep out of its running V scale."""
+    from nanovllm.layers.attention.fp8 import dequantize
     from nanovllm.layers.kernels.decode_tma import decode_attention_tma
     batch = len(context_lens)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
-    k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, "cuda")
+    if kv_dtype is None:
+        k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, "cuda")
+        scales = {}
+    else:
+        k_cache, v_cache, k_scale, v_scale = random_fp8_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype,
+                                                              "cuda")
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     tables = block_tables_for(context_lens, block_size, num_blocks, "cuda")
     covered = torch.zeros(num_blocks * block_size, dtype=torch.bool, device="cuda")
     rows = []
@@ -233,21 +242,31 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
         pos = torch.arange(n, device="cuda")
         rows.append(tables[s, pos // block_size].long() * block_size + pos % block_size)
         covered[rows[-1]] = True
-    for cache in (k_cache, v_cache):
-        cache.view(-1, kv_heads, head_dim)[~covered] = float("nan")
+    if kv_dtype is None:
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, head_dim)[~covered] = float("nan")
+        values = [c.view(-1, kv_heads, head_dim).float() for c in (k_cache, v_cache)]
+    else:
+        row_scales = [sc.transpose(1, 2) for sc in scales.values()]  # [blocks, block_size, kv_heads] views
+        values = [dequantize(c.reshape(-1, kv_heads, head_dim), sc.reshape(-1, kv_heads))
+                  for c, sc in zip((k_cache, v_cache), row_scales)]
+        top = max(sc.max().item() for sc in row_scales)
+        for sc in row_scales:
+            sc[~covered.view(num_blocks, block_size)] = top * 1e4
+        v_cache = token_major(v_cache)
     q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
     out = decode_attention_tma(q, k_cache, v_cache, torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
-                               tables, scale, stages)
+                               tables, scale, stages, **scales)
     ref = torch.zeros(batch, heads, head_dim, device="cuda")
     group = heads // kv_heads
     for s, n in enumerate(context_lens):
         if n:
-            k, v = (c.view(-1, kv_heads, head_dim)[rows[s]].float().repeat_interleave(group, 1)
-                    for c in (k_cache, v_cache))
+            k, v = (c[rows[s]].repeat_interleave(group, 1) for c in values)
             att = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
             ref[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
-    assert_close(out, ref, dtype, f"decode_tma context_lens={context_lens} block_size={block_size} stages={stages}")
+    assert_close(out, ref, dtype, f"decode_tma context_lens={context_lens} block_size={block_size} stages={stages} "
+                 f"kv_dtype={kv_dtype}", kv_dtype is not None)
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros
             assert torch.equal(out[s], torch.zeros_like(out[s]))

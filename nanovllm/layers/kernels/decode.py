@@ -1,9 +1,10 @@
 """Paged decode attention: one query token per sequence, split-K ("flash decoding").
 
-On Hopper, for a 16-bit cache at 96 to two SMs' worth of (sequence, KV head) pairs under a bound of at most 4,096
-tokens (batches 12-33 with 8 KV heads a rank), decode_attention hands over to decode_tma.py: one program per
-(sequence, KV head, 1,024-token chunk) streaming its tiles through a TMA ring, which reads closer to the copy
-bandwidth there (batch 16 decode 1.24 -> 1.18-1.19 ms/token on one H200). This kernel serves every other case.
+On Hopper, at 96 to two SMs' worth of (sequence, KV head) pairs under a bound of at most 4,096 tokens (batches
+12-33 with 8 KV heads a rank), decode_attention hands a 16-bit cache, or an fp8 one under a 16-bit q, over to
+decode_tma.py: one program per (sequence, KV head, 1,024-token chunk) streaming its tiles through a TMA ring, which
+reads closer to the copy bandwidth there (batch 16 decode on one H200: 1.24 -> 1.18-1.19 ms/token for bf16, 1.26
+-> 1.17 for fp8). This kernel serves every other case.
 
 Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
 padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.
@@ -341,11 +342,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_context_len = block_tables.size(1) * block_size
     group = num_heads // num_kv_heads
     quant = k_scale is not None
-    if not quant and num_splits is None and config is None and max_split_tokens is None:
+    if num_splits is None and config is None and max_split_tokens is None:
         stages = decode_tma.stages_for(batch * num_kv_heads, max_context_len, sm_count(q.device))
-        if stages and decode_tma.usable(q, k_cache, v_cache):  # (Hopper, 16-bit cache: decode_tma.py)
+        if stages and decode_tma.usable(q, k_cache, v_cache, k_scale, v_scale):  # (Hopper: decode_tma.py)
             return decode_tma.decode_attention_tma(q, k_cache, v_cache, context_lens, block_tables, scale, stages,
-                                                   out, max_context_len)
+                                                   out, max_context_len, k_scale, v_scale)
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)

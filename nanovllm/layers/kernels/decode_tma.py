@@ -3,18 +3,24 @@
 The split-K kernel of decode.py reads a split's one or two tiles at once and then waits; at batch 16 its 640
 working programs form about one wave that asks for all its bytes together, computes, merges, and leaves DRAM idle
 during the ramp and the tail (docs/benchmarks.md: 51.7% of DRAM peak at 16 x 640). Here each program keeps STAGES
-64-token K/V tiles in flight in shared memory (TMA copies completing on an mbarrier per ring slot) and walks up to
-CHUNK_TILES tiles of its context within the caller's bound (a longer context gets longer chunks, one a program of
+K/V tiles in flight in shared memory (TMA copies completing on an mbarrier per ring slot) and walks up to
+CHUNK_TOKENS of its context within the caller's bound (a longer context gets longer chunks, one a program of
 the grid), computing on one tile while the next ones arrive. A context within one chunk
 (the common case at these batches) is written directly; longer ones write float32 partials that the last chunk to
 finish merges (as decode.py's splits do), so one long context among short ones spreads over several SMs. The tiles
 that end before the new token (which the kernel before writes into the cache) are requested before gdc_wait,
 under programmatic dependent launch (pdl.py).
 
-Math: the GROUP query heads of the KV head, padded to 16 rows, on mma.sync (mma_v2): s = q K^T [16, 64] and
+Math: the GROUP query heads of the KV head, padded to 16 rows, on mma.sync (mma_v2): s = q K^T [16, BLOCK_N] and
 acc += p V [16, HEAD_DIM], the softmax sum kept per element and reduced once after the loop. The engine's 16-bit
 cache is not zeroed: V rows past the context may hold NaN, and 0 * NaN is NaN, so the last (partial) tile's V is
 masked in registers (K's are masked in the scores).
+
+An fp8 cache (QUANT; attention/fp8.py: V token-major, a float32 scale per token and head) takes 128-token tiles, so
+a slot holds as many bytes as a 16-bit one, plus the tile's K and V scales, copied on the same mbarrier. The math
+is decode.py's for fp8: q in float16, K and V widened to float16 (exact), the scores multiplied by the K scales,
+the V scales folded into p over the largest so far (the accumulator in its units). The engine zeroes an fp8 cache,
+so V past a context is finite and weighted 0; only its scales are masked (they would raise the running maximum).
 
 decode.decode_attention takes it where stages_for says (a rule on shapes and the graph's context bound only, so
 captured graphs stay valid) and usable() holds. Measured on one H200 (docs/benchmarks.md, 2026-12-03; Qwen3-0.6B
@@ -22,7 +28,9 @@ attention, 16 query and 8 KV heads, bound 4,096; us a launch, split-K -> this): 
 15.9 -> 13.8, 16 x 2,048 43.7 -> 40.5, 16 x 4,096 79.0 -> 76.0; decode at batch 16 1.241-1.242 -> 1.181-1.188
 ms/token, batch 32 1.899-1.907 -> 1.737-1.739. It loses where one long context sits among short ones: 15 x 640 +
 1 x 4,096 28.2 -> 31.1, 15 x 128 + 1 x 4,096 16.4 -> 23.1 (a 1,024-token chunk is 16 tiles in a row on one SM),
-and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 decoded slower).
+and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 decoded slower). fp8 (2026-12-04,
+split-K -> this): 16 x 640 16.3 -> 15.1, 32 x 640 28.6 -> 18.9, 16 x 2,048 36.2 -> 36.3; decode at batch 16
+1.253-1.261 -> 1.179-1.185 ms/token (as bf16), batch 32 1.954-1.958 -> 1.579-1.589 (bf16: 1.73).
 NANOVLLM_DECODE_TMA=0 turns it off (for comparison).
 """
 import functools
@@ -30,6 +38,7 @@ import os
 
 import torch
 
+from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.kernels.paged_kv import split_partials
 from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
 from nanovllm.layers.kernels.scratch import split_counters
@@ -46,8 +55,9 @@ except (ImportError, AttributeError):  # a Triton without Gluon, or with names u
     gluon = None
 
 BLOCK_N = 64  # tokens a tile: 16 KB of K and 16 KB of V at head_dim 128
+FP8_BLOCK_N = 128  # an fp8 cache's: 16 KB of K and 16 KB of V, as many bytes a slot as a 16-bit tile's
 LOG2E = 1.4426950408889634
-CHUNK_TILES = 16  # tiles a program walks within the bound (1,024 tokens): longer contexts are merged from partials
+CHUNK_TOKENS = 1024  # a program walks at most this many tokens within the bound: longer contexts merge partials
 MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
 MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (the merges measured); past it the split-K kernel
 
@@ -63,30 +73,39 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _issue(k_desc, v_desc, k_smem, v_smem, bars, block, tile, slot, kv_head, BLOCK_SIZE: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """Ask TMA for tile `tile` of the context (in cache block `block`) into ring slot `slot`."""
-        row = block * BLOCK_SIZE + (tile * BLOCK_N) % BLOCK_SIZE
+    def _issue(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ks_smem, vs_smem, bars, block, tile, slot, kv_head,
+               BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, QUANT: gl.constexpr):
+        """Ask TMA for tile `tile` of the context (in cache block `block`) into ring slot `slot`: K and V, and for an
+        fp8 cache the tile's K and V scales (V token-major there: the tile is [HEAD_DIM, BLOCK_N])."""
+        col = (tile * BLOCK_N) % BLOCK_SIZE
         bar = bars.index(slot)
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [row, kv_head * HEAD_DIM], bar, k_smem.index(slot))
-        _tma_load(v_desc, [row, kv_head * HEAD_DIM], bar, v_smem.index(slot))
+        if QUANT:
+            head_row = block * gl.num_programs(1) + kv_head  # the (block, KV head) row of V and the scales
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * ks_desc.block_type.nbytes)
+            _tma_load(k_desc, [block * BLOCK_SIZE + col, kv_head * HEAD_DIM], bar, k_smem.index(slot))
+            _tma_load(v_desc, [head_row * HEAD_DIM, col], bar, v_smem.index(slot))
+            _tma_load(ks_desc, [head_row, col], bar, ks_smem.index(slot))
+            _tma_load(vs_desc, [head_row, col], bar, vs_smem.index(slot))
+        else:
+            mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+            _tma_load(k_desc, [block * BLOCK_SIZE + col, kv_head * HEAD_DIM], bar, k_smem.index(slot))
+            _tma_load(v_desc, [block * BLOCK_SIZE + col, kv_head * HEAD_DIM], bar, v_smem.index(slot))
 
     # (the block-table width changes from batch to batch: one compiled kernel for every width, as in decode.py)
     @gluon.jit(do_not_specialize=["stride_table"])
-    def _decode_tma_kernel(q_ptr, o_ptr, k_desc, v_desc, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
-                           context_lens_ptr, table_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
-                           qk_scale, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CHUNK_TILES: gl.constexpr, PDL: gl.constexpr):
+    def _decode_tma_kernel(q_ptr, o_ptr, k_desc, v_desc, ks_desc, vs_desc, part_m_ptr, part_l_ptr, part_acc_ptr,
+                           count_ptr, context_lens_ptr, table_ptr, stride_qb, stride_qh, stride_ob, stride_oh,
+                           stride_table, qk_scale, GROUP: gl.constexpr, BLOCK_G: gl.constexpr,
+                           BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, CHUNK_TILES: gl.constexpr, PDL: gl.constexpr, QUANT: gl.constexpr):
         seq = gl.program_id(0)
         kv_head = gl.program_id(1)
         split = gl.program_id(2)  # this program's chunk of the context
         # context lengths and block tables are written before the step (host copies), never by a kernel of it
         context_len = gl.load(context_lens_ptr + seq)
         n_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-        # CHUNK_TILES a chunk within the caller's bound; a longer context (which the engine never passes) is cut
-        # into as many longer chunks as the grid has, so it is still computed whole
+        # CHUNK_TILES (CHUNK_TOKENS) a chunk within the caller's bound; a longer context (which the engine never
+        # passes) is cut into as many longer chunks as the grid has, so it is still computed whole
         chunk = gl.maximum((n_tiles + gl.num_programs(2) - 1) // gl.num_programs(2), CHUNK_TILES)
         first = split * chunk
         if (first >= n_tiles) & (split > 0):
@@ -99,10 +118,19 @@ if gluon is not None:
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NUM_WARPS], [1, 0])
-        dtype: gl.constexpr = k_desc.dtype
 
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        if QUANT:  # fp8: V token-major ([HEAD_DIM, BLOCK_N] a tile); each tile's K and V scales ([1, BLOCK_N]
+            # float32) ride in the same slot
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+            ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], ks_desc.layout)
+            vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], vs_desc.layout)
+            dtype: gl.constexpr = gl.float16  # fp8 widens to float16 exactly (decode.py's QUANT)
+        else:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+            ks_smem = k_smem  # (unused)
+            vs_smem = v_smem
+            dtype: gl.constexpr = k_desc.dtype
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -115,16 +143,16 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             if (first + i < ready) & (first + i < last):
                 block = gl.load(table_row + ((first + i) * BLOCK_N) // BLOCK_SIZE)
-                _issue(k_desc, v_desc, k_smem, v_smem, bars, block, first + i, i, kv_head, BLOCK_SIZE, BLOCK_N,
-                       HEAD_DIM)
+                _issue(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ks_smem, vs_smem, bars, block, first + i, i,
+                       kv_head, BLOCK_SIZE, BLOCK_N, HEAD_DIM, QUANT)
         if PDL:
             _gdc_wait()
             _gdc_launch_dependents()
         for i in gl.static_range(STAGES):
             if (first + i >= ready) & (first + i < last):
                 block = gl.load(table_row + ((first + i) * BLOCK_N) // BLOCK_SIZE)
-                _issue(k_desc, v_desc, k_smem, v_smem, bars, block, first + i, i, kv_head, BLOCK_SIZE, BLOCK_N,
-                       HEAD_DIM)
+                _issue(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ks_smem, vs_smem, bars, block, first + i, i,
+                       kv_head, BLOCK_SIZE, BLOCK_N, HEAD_DIM, QUANT)
 
         offs_g = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, blocked))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
@@ -132,11 +160,14 @@ if gluon is not None:
         heads = kv_head * GROUP + offs_g
         q = gl.load(q_ptr + seq.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_g[:, None], other=0.0)
+        if QUANT:  # (a bfloat16 q past float16's range)
+            q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
         q = gl.convert_layout(q, a_op)
 
         m_i = gl.full([BLOCK_G], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
         l_i = gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma)  # summed along tokens once, after the loop
-        acc = gl.zeros([BLOCK_G, HEAD_DIM], gl.float32, layout=mma)
+        acc = gl.zeros([BLOCK_G, HEAD_DIM], gl.float32, layout=mma)  # fp8: in units of v_top (decode.py's fp8_pv)
+        v_top = qk_scale * 0.0 + 1e-30  # fp8: the largest V scale so far
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         offs_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
         for t in range(first, last):
@@ -145,28 +176,48 @@ if gluon is not None:
             later_block = gl.load(table_row + (later * BLOCK_N) // BLOCK_SIZE, mask=later < last, other=0)
             slot = (t - first) % STAGES
             mbarrier.wait(bars.index(slot), ((t - first) // STAGES) & 1)
-            k = k_smem.index(slot).permute((1, 0)).load(b_op)  # [HEAD_DIM, BLOCK_N]
-            s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
-            s = gl.where((t * BLOCK_N + offs_n < context_len)[None, :], s * qk_scale, float("-inf"))
+            in_context = t * BLOCK_N + offs_n < context_len
+            if QUANT:
+                k = k_smem.index(slot).permute((1, 0)).load(b_op).to(dtype)  # [HEAD_DIM, BLOCK_N], exact
+                # (scales are >= 0: a max over the one row, whatever copies of it the layout holds)
+                k_scale = gl.max(ks_smem.index(slot).load(mma), axis=0)
+                v_scale = gl.where(in_context, gl.max(vs_smem.index(slot).load(mma), axis=0), 0.0)
+                s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
+                s = gl.where(in_context[None, :], s * (k_scale * qk_scale)[None, :], float("-inf"))
+            else:
+                k = k_smem.index(slot).permute((1, 0)).load(b_op)  # [HEAD_DIM, BLOCK_N]
+                s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
+                s = gl.where(in_context[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: every tile holds a key
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[:, None])
             l_i = l_i * alpha[:, None] + p
-            if (t + 1) * BLOCK_N > context_len:  # the last tile, partial: rows past the context may be NaN
-                v = v_smem.index(slot).load(blocked)
-                v = gl.where((t * BLOCK_N + offs_v < context_len)[:, None], v, 0.0)
-                v = gl.convert_layout(v, b_op)
+            if QUANT:
+                # V scales folded into p over the largest so far (p stays in [0, 1]); the cache is zeroed, so V past
+                # the context is finite and weighted 0. V is token-major: the slot is [HEAD_DIM, BLOCK_N]
+                v_new = gl.maximum(v_top, gl.max(v_scale, axis=0))
+                v = v_smem.index(slot).permute((1, 0)).load(b_op).to(dtype)
+                p = p * (v_scale / v_new)[None, :]
+                acc = mma_v2(gl.convert_layout(p.to(dtype), a_op), v, acc * (alpha * (v_top / v_new))[:, None])
+                v_top = v_new
             else:
-                v = v_smem.index(slot).load(b_op)
-            acc = mma_v2(gl.convert_layout(p.to(dtype), a_op), v, acc * alpha[:, None])
+                if (t + 1) * BLOCK_N > context_len:  # the last tile, partial: rows past the context may be NaN
+                    v = v_smem.index(slot).load(blocked)
+                    v = gl.where((t * BLOCK_N + offs_v < context_len)[:, None], v, 0.0)
+                    v = gl.convert_layout(v, b_op)
+                else:
+                    v = v_smem.index(slot).load(b_op)
+                acc = mma_v2(gl.convert_layout(p.to(dtype), a_op), v, acc * alpha[:, None])
             m_i = m_new
             _cta_barrier()  # every warp has read the slot before TMA overwrites it
             if later < last:
-                _issue(k_desc, v_desc, k_smem, v_smem, bars, later_block, later, slot, kv_head, BLOCK_SIZE,
-                       BLOCK_N, HEAD_DIM)
+                _issue(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ks_smem, vs_smem, bars, later_block, later,
+                       slot, kv_head, BLOCK_SIZE, BLOCK_N, HEAD_DIM, QUANT)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
+        if QUANT:
+            acc = acc * v_top
         l_sum = gl.sum(l_i, axis=1)
         offs_go = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, mma))
         offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
@@ -231,34 +282,68 @@ def _ring_fits(device: torch.device) -> bool:
     return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= RING_BYTES
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The tensors and GPU the kernel serves: Hopper or later with room for the ring, a 16-bit cache (q of the
-    same type) with V d-contiguous, head_dim 64 or 128 (the ring's shared memory), blocks a multiple of BLOCK_N
-    tokens, at most 16 query heads per KV head (the padded rows of one mma)."""
+def block_n_for(cache_dtype: torch.dtype) -> int:
+    """Tokens a tile: FP8_BLOCK_N for an fp8 cache (a slot then holds as many bytes as a 16-bit one), else BLOCK_N."""
+    return FP8_BLOCK_N if is_fp8(cache_dtype) else BLOCK_N
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> bool:
+    """The tensors and GPU the kernel serves: Hopper or later with room for the ring, head_dim 64 or 128 (the
+    ring's shared memory), blocks a multiple of the tile's tokens, at most 16 query heads per KV head (the padded
+    rows of one mma), and either a 16-bit cache (q of the same type) with V d-contiguous, or an fp8 cache as the
+    engine stores it (attention/fp8.py: V token-major, contiguous scales [blocks, kv_heads, block_size]) with a
+    16-bit q."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return (gluon is not None and q.is_cuda and _ring_fits(q.device)
-            and k_cache.dtype in (torch.bfloat16, torch.float16) and q.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim in (64, 128)
-            and block_size % BLOCK_N == 0 and q.size(1) // num_kv_heads <= 16)
+    if not (gluon is not None and q.is_cuda and _ring_fits(q.device) and head_dim in (64, 128)
+            and k_cache.is_contiguous() and block_size % block_n_for(k_cache.dtype) == 0
+            and q.size(1) // num_kv_heads <= 16):
+        return False
+    if is_fp8(k_cache.dtype):
+        return (q.dtype in (torch.bfloat16, torch.float16) and v_cache.dtype == k_cache.dtype
+                and v_cache.permute(0, 2, 3, 1).is_contiguous() and k_scale is not None and v_scale is not None
+                and k_scale.is_contiguous() and v_scale.is_contiguous())
+    return k_cache.dtype in (torch.bfloat16, torch.float16) and q.dtype == k_cache.dtype and v_cache.is_contiguous()
 
 
-def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-    """The caches as [tokens, kv_heads * head_dim] for TMA: a tile is BLOCK_N rows of one head's head_dim columns.
+_GL_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv",
+             torch.float8_e5m2: "float8e5"}
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> tuple:
+    """TMA descriptors (K, V, K scales, V scales). K as [tokens, kv_heads * head_dim]: a tile is a block_n rows of
+    one head's head_dim columns. A 16-bit V likewise (the scales' places then hold K's and V's again, unused); an
+    fp8 V, token-major, as [blocks * kv_heads * head_dim, block_size] (a tile is head_dim rows of block_n tokens),
+    and the scales as [blocks * kv_heads, block_size] (a tile is one row of block_n).
     Made at each launch (a CUDA graph keeps the launch's copy; holding them would hold the caches past sleep())."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16 if k_cache.dtype ==
-                                                  torch.bfloat16 else gl.float16)
-    shape, strides = [num_blocks * block_size, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
-    return tuple(TensorDescriptor(c, shape, strides, [BLOCK_N, head_dim], layout) for c in (k_cache, v_cache))
+    block_n = block_n_for(k_cache.dtype)
+    dtype = getattr(gl, _GL_TYPES[k_cache.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
+    k_desc = TensorDescriptor(k_cache, [num_blocks * block_size, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1],
+                              [block_n, head_dim], layout)
+    if not is_fp8(k_cache.dtype):
+        v_desc = TensorDescriptor(v_cache, [num_blocks * block_size, num_kv_heads * head_dim],
+                                  [num_kv_heads * head_dim, 1], [block_n, head_dim], layout)
+        return k_desc, v_desc, k_desc, v_desc
+    v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], dtype)
+    v_desc = TensorDescriptor(v_cache, [num_blocks * num_kv_heads * head_dim, block_size], [block_size, 1],
+                              [head_dim, block_n], v_layout)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # (a row of 4 * block_n bytes)
+    k_sdesc, v_sdesc = (TensorDescriptor(t, [num_blocks * num_kv_heads, block_size], [block_size, 1], [1, block_n],
+                                         s_layout) for t in (k_scale, v_scale))
+    return k_desc, v_desc, k_sdesc, v_sdesc
 
 
 def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float, stages: int = 4,
-                         out: torch.Tensor | None = None, max_context_len: int | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, max_context_len: int | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): within
-    the bound a program walks at most CHUNK_TILES tiles, so one long context among short ones is spread over
+    the bound a program walks at most CHUNK_TOKENS tokens, so one long context among short ones is spread over
     several SMs; the bound (default: the table's width in tokens) fixes the chunk count, so a captured graph
-    stays valid."""
+    stays valid. An fp8 cache comes with its scales."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if out is None:
@@ -268,16 +353,17 @@ def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = num_heads // num_kv_heads
-    k_desc, v_desc = _descriptors(k_cache, v_cache)
+    block_n = block_n_for(k_cache.dtype)
+    descs = _descriptors(k_cache, v_cache, k_scale, v_scale)
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size
-    num_splits = max(1, -(-max_context_len // (CHUNK_TILES * BLOCK_N)))
+    num_splits = max(1, -(-max_context_len // CHUNK_TOKENS))
     part_m, part_l, part_acc = split_partials(out, num_splits)
     counters = split_counters(q.device, batch * num_kv_heads)
     pdl = pdl_enabled(q.device)
     _decode_tma_kernel[(batch, num_kv_heads, num_splits)](
-        q, out, k_desc, v_desc, part_m, part_l, part_acc, counters, context_lens, block_tables,
+        q, out, *descs, part_m, part_l, part_acc, counters, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
-        GROUP=group, BLOCK_G=16, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim, STAGES=stages,
-        CHUNK_TILES=CHUNK_TILES, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+        GROUP=group, BLOCK_G=16, BLOCK_SIZE=block_size, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages,
+        CHUNK_TILES=CHUNK_TOKENS // block_n, PDL=pdl, QUANT=is_fp8(k_cache.dtype), num_warps=4, **pdl_launch(pdl))
     return out
