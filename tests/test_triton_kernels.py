@@ -485,8 +485,8 @@ def test_gpu_decode_tma(stages, heads, kv_heads, head_dim, block_size, dtype):
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize("dtype,block_size", [(torch.bfloat16, 256), (torch.float16, 128)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64)])
-@pytest.mark.parametrize("stages", [3, 4])
-def test_gpu_decode_tma_fp8(stages, heads, kv_heads, head_dim, block_size, dtype, kv_dtype):
+@pytest.mark.parametrize("stages,chunk_tiles", [(3, None), (4, None), (3, 3)])
+def test_gpu_decode_tma_fp8(stages, chunk_tiles, heads, kv_heads, head_dim, block_size, dtype, kv_dtype):
     from nanovllm.layers.attention.fp8 import token_major
     from nanovllm.layers.kernels import decode_tma
     from tests.triton_kernel_checks import check_decode_tma
@@ -496,7 +496,7 @@ def test_gpu_decode_tma_fp8(stages, heads, kv_heads, head_dim, block_size, dtype
                              scales, scales):
         pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
     check_decode_tma([640, 1, 63, 64, 65, 0, 4096, 129, 255, 256, 257, 3000, 511, 2, 1000, 192], block_size, heads,
-                     kv_heads, head_dim, dtype, stages, kv_dtype)
+                     kv_heads, head_dim, dtype, stages, kv_dtype, chunk_tiles)
 
 
 @pytest.mark.gpu
@@ -532,7 +532,7 @@ def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
         torch.testing.assert_close(out.float(), split_k.float(), atol=2e-2, rtol=2e-2)
         return list(picked)
     for kv_dtype in (None, torch.float8_e4m3fn):
-        assert attend(16, 16, kv_dtype) == [4 if 128 <= sms else 3]
+        assert attend(16, 16, kv_dtype) == [4 if 128 <= sms and kv_dtype is None else 3]
         assert attend(32, 16, kv_dtype) == ([3] if 256 <= 2 * sms else [])
         assert attend(8, 16, kv_dtype) == []  # 64 programs
         assert attend(16, 17, kv_dtype) == []  # a bound of 4,352 tokens
@@ -798,6 +798,12 @@ def test_decode_tma_rule(monkeypatch):
     rule = decode_tma.stages_for
     assert [rule(p, 4096, 132) for p in (95, 96, 132, 133, 264, 265)] == [0, 4, 4, 3, 3, 0]
     assert rule(128, 4097, 132) == 0 and rule(128, 512, 132) == 4
+    # an fp8 cache: three slots throughout, its contexts in chunks of at least 3 128-token tiles while every
+    # (sequence, KV head) has an SM (two programs an SM), else of 1,024 tokens as a 16-bit cache's
+    assert [rule(p, 4096, 132, fp8=True) for p in (95, 96, 132, 133, 264, 265)] == [0, 3, 3, 3, 3, 0]
+    chunks = decode_tma.chunk_tiles_for
+    assert [chunks(p, 132, fp8=True) for p in (96, 132, 133, 264)] == [3, 3, 8, 8]
+    assert [chunks(p, 132) for p in (96, 132, 133, 264)] == [16] * 4
     monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
     assert rule(128, 4096, 132) == 0
 

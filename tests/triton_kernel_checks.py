@@ -218,12 +218,13 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
 
 
 def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                     stages: int, kv_dtype=None):
+                     stages: int, kv_dtype=None, chunk_tiles: int | None = None):
     """The TMA-ring decode kernel (kernels/decode_tma.py, Hopper) against float32 attention over each context's own
     rows. Every 16-bit cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel
     that let a row past a context into its sums would return NaN. An fp8 cache (kv_dtype; V token-major, as the
     engine stores it) is zeroed in the engine, so rows past a context are finite there: here they keep random
-    values, with scales 10^4 above any context's, which a kernel must keep out of its running V scale."""
+    values, with scales 10^4 above any context's, which a kernel must keep out of its running V scale.
+    chunk_tiles: the chunks' floor (decode_tma.chunk_tiles_for; default the kernel's)."""
     from nanovllm.layers.attention.fp8 import dequantize
     from nanovllm.layers.kernels.decode_tma import decode_attention_tma
     batch = len(context_lens)
@@ -257,7 +258,7 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
     q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
     out = decode_attention_tma(q, k_cache, v_cache, torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
-                               tables, scale, stages, **scales)
+                               tables, scale, stages, chunk_tiles=chunk_tiles, **scales)
     ref = torch.zeros(batch, heads, head_dim, device="cuda")
     group = heads // kv_heads
     for s, n in enumerate(context_lens):
@@ -266,7 +267,7 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
             att = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
             ref[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
     assert_close(out, ref, dtype, f"decode_tma context_lens={context_lens} block_size={block_size} stages={stages} "
-                 f"kv_dtype={kv_dtype}", kv_dtype is not None)
+                 f"kv_dtype={kv_dtype} chunk_tiles={chunk_tiles}", kv_dtype is not None)
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros
             assert torch.equal(out[s], torch.zeros_like(out[s]))

@@ -343,10 +343,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     quant = k_scale is not None
     if num_splits is None and config is None and max_split_tokens is None:
-        stages = decode_tma.stages_for(batch * num_kv_heads, max_context_len, sm_count(q.device))
+        programs, sms = batch * num_kv_heads, sm_count(q.device)
+        stages = decode_tma.stages_for(programs, max_context_len, sms, quant)
         if stages and decode_tma.usable(q, k_cache, v_cache, k_scale, v_scale):  # (Hopper: decode_tma.py)
             return decode_tma.decode_attention_tma(q, k_cache, v_cache, context_lens, block_tables, scale, stages,
-                                                   out, max_context_len, k_scale, v_scale)
+                                                   out, max_context_len, k_scale, v_scale,
+                                                   decode_tma.chunk_tiles_for(programs, sms, quant))
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)

@@ -21,6 +21,8 @@ a slot holds as many bytes as a 16-bit one, plus the tile's K and V scales, copi
 is decode.py's for fp8: q in float16, K and V widened to float16 (exact), the scores multiplied by the K scales,
 the V scales folded into p over the largest so far (the accumulator in its units). The engine zeroes an fp8 cache,
 so V past a context is finite and weighted 0; only its scales are masked (they would raise the running maximum).
+Widening keeps one program of 4 warps from streaming fp8 at the SM's share of DRAM, so where every (sequence, KV
+head) pair has an SM an fp8 context is cut in short chunks, two programs an SM (chunk_tiles_for).
 
 decode.decode_attention takes it where stages_for says (a rule on shapes and the graph's context bound only, so
 captured graphs stay valid) and usable() holds. Measured on one H200 (docs/benchmarks.md, 2026-12-03; Qwen3-0.6B
@@ -30,7 +32,8 @@ ms/token, batch 32 1.899-1.907 -> 1.737-1.739. It loses where one long context s
 1 x 4,096 28.2 -> 31.1, 15 x 128 + 1 x 4,096 16.4 -> 23.1 (a 1,024-token chunk is 16 tiles in a row on one SM),
 and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 decoded slower). fp8 (2026-12-04,
 split-K -> this): 16 x 640 16.3 -> 15.1, 32 x 640 28.6 -> 18.9, 16 x 2,048 36.2 -> 36.3; decode at batch 16
-1.253-1.261 -> 1.179-1.185 ms/token (as bf16), batch 32 1.954-1.958 -> 1.579-1.589 (bf16: 1.73).
+1.253-1.261 -> 1.179-1.185 ms/token (as bf16; 1.144-1.170 with chunk_tiles_for's short chunks), batch 32
+1.954-1.958 -> 1.579-1.589 (bf16: 1.73).
 NANOVLLM_DECODE_TMA=0 turns it off (for comparison).
 """
 import functools
@@ -58,6 +61,7 @@ BLOCK_N = 64  # tokens a tile: 16 KB of K and 16 KB of V at head_dim 128
 FP8_BLOCK_N = 128  # an fp8 cache's: 16 KB of K and 16 KB of V, as many bytes a slot as a 16-bit tile's
 LOG2E = 1.4426950408889634
 CHUNK_TOKENS = 1024  # a program walks at most this many tokens within the bound: longer contexts merge partials
+FP8_SHORT_CHUNK_TILES = 3  # an fp8 cache's chunks where every (sequence, KV head) has an SM (chunk_tiles_for)
 MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
 MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (the merges measured); past it the split-K kernel
 
@@ -104,8 +108,9 @@ if gluon is not None:
         # context lengths and block tables are written before the step (host copies), never by a kernel of it
         context_len = gl.load(context_lens_ptr + seq)
         n_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-        # CHUNK_TILES (CHUNK_TOKENS) a chunk within the caller's bound; a longer context (which the engine never
-        # passes) is cut into as many longer chunks as the grid has, so it is still computed whole
+        # a context cut evenly over the grid's chunks, CHUNK_TILES at least (within the bound the grid has enough
+        # chunks of CHUNK_TOKENS); a longer context (which the engine never passes) gets longer chunks, so it is
+        # still computed whole
         chunk = gl.maximum((n_tiles + gl.num_programs(2) - 1) // gl.num_programs(2), CHUNK_TILES)
         first = split * chunk
         if (first >= n_tiles) & (split > 0):
@@ -259,17 +264,32 @@ if gluon is not None:
                          o.to(o_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 
-def stages_for(programs: int, max_context_len: int, sm_count: int) -> int:
+def stages_for(programs: int, max_context_len: int, sm_count: int, fp8: bool = False) -> int:
     """How deep a ring the kernel runs for `programs` (batch x KV heads) under the context bound, or 0 where the
     split-K kernel serves instead: from MIN_PROGRAMS up to two programs an SM, for bounds up to MAX_CONTEXT. Four
     32 KB slots (133 KB of shared memory) where every program has an SM, three (100 KB, two programs an SM) past
     that. Measured before chunks (one program per sequence and KV head): 16 x 640 15.1 us with 4, 16.7 with 3
-    (batch 16 decode 1.177-1.178 against 1.223 ms/token); 32 x 640 23.7 with 3, 26.7 with 4."""
+    (batch 16 decode 1.177-1.178 against 1.223 ms/token); 32 x 640 23.7 with 3, 26.7 with 4. An fp8 cache takes
+    three where every pair has an SM too: its contexts are then cut in short chunks (chunk_tiles_for), two
+    programs an SM."""
     if os.environ.get("NANOVLLM_DECODE_TMA", "1") == "0" or gluon is None:
         return 0
     if not MIN_PROGRAMS <= programs <= 2 * sm_count or max_context_len > MAX_CONTEXT:
         return 0
-    return 4 if programs <= sm_count else 3
+    return 4 if programs <= sm_count and not fp8 else 3
+
+
+def chunk_tiles_for(programs: int, sm_count: int, fp8: bool = False) -> int:
+    """The fewest tiles a chunk holds (a context is cut over the grid's chunks, each at least this long). 16-bit:
+    CHUNK_TOKENS, so contexts up to 1,024 tokens are one program. fp8 where every (sequence, KV head) pair has an
+    SM: 3 tiles (384 tokens), so a context of 385-768 tokens is two programs, two an SM: widening fp8 and the two
+    products keep one program of 4 warps from streaming at the SM's share of DRAM (one H200, bound 4,096, us a
+    launch, 1,024-token chunks and 4 slots -> this: 16 x 640 15.1 -> 13.4, 12 x 640 11.7 -> 10.8, 15 x 640 + 1 x
+    4,096 27.5 -> 25.8; batch 16 decode 1.188-1.209 -> 1.144-1.155 ms/token). Past that (two pairs an SM
+    already) 16 x 2 programs an SM would wait for a second wave (32 x 640: 18.9 us unsplit, 23.8 so)."""
+    if fp8 and programs <= sm_count:
+        return FP8_SHORT_CHUNK_TILES
+    return CHUNK_TOKENS // (FP8_BLOCK_N if fp8 else BLOCK_N)
 
 
 RING_BYTES = 4 * 2 * BLOCK_N * 128 * 2 + 4096  # four slots of K and V tiles at head_dim 128, and some scratch
@@ -339,11 +359,13 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
 def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float, stages: int = 4,
                          out: torch.Tensor | None = None, max_context_len: int | None = None,
-                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): within
-    the bound a program walks at most CHUNK_TOKENS tokens, so one long context among short ones is spread over
-    several SMs; the bound (default: the table's width in tokens) fixes the chunk count, so a captured graph
-    stays valid. An fp8 cache comes with its scales."""
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                         chunk_tiles: int | None = None) -> torch.Tensor:
+    """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): the bound
+    (default: the table's width in tokens) over CHUNK_TOKENS fixes the chunk count, so a captured graph stays
+    valid; a context is cut evenly over them, each chunk at least chunk_tiles tiles (chunk_tiles_for; default
+    CHUNK_TOKENS' worth), so one long context among short ones is spread over several SMs. An fp8 cache comes
+    with its scales."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if out is None:
@@ -365,5 +387,6 @@ def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q, out, *descs, part_m, part_l, part_acc, counters, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
         GROUP=group, BLOCK_G=16, BLOCK_SIZE=block_size, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages,
-        CHUNK_TILES=CHUNK_TOKENS // block_n, PDL=pdl, QUANT=is_fp8(k_cache.dtype), num_warps=4, **pdl_launch(pdl))
+        CHUNK_TILES=chunk_tiles or CHUNK_TOKENS // block_n, PDL=pdl, QUANT=is_fp8(k_cache.dtype), num_warps=4,
+        **pdl_launch(pdl))
     return out
