@@ -223,7 +223,8 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
     rows. Every 16-bit cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel
     that let a row past a context into its sums would return NaN. An fp8 cache (kv_dtype; V token-major, as the
     engine stores it) is zeroed in the engine, so rows past a context are finite there: here they keep random
-    values, with scales 10^4 above any context's, which a kernel must keep out of its running V scale.
+    values, with scales 10^8 above any context's, which a kernel must keep out of its running V scale (else every
+    p it scales down underflows float16).
     chunk_tiles: the chunks' floor (decode_tma.chunk_tiles_for; default the kernel's)."""
     from nanovllm.layers.attention.fp8 import dequantize
     from nanovllm.layers.kernels.decode_tma import decode_attention_tma
@@ -253,7 +254,7 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
                   for c, sc in zip((k_cache, v_cache), row_scales)]
         top = max(sc.max().item() for sc in row_scales)
         for sc in row_scales:
-            sc[~covered.view(num_blocks, block_size)] = top * 1e4
+            sc[~covered.view(num_blocks, block_size)] = top * 1e8
         v_cache = token_major(v_cache)
     q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
     scale = head_dim ** -0.5

@@ -2,9 +2,9 @@
 
 On Hopper, at 96 to two SMs' worth of (sequence, KV head) pairs under a bound of at most 4,096 tokens (batches
 12-33 with 8 KV heads a rank), decode_attention hands a 16-bit cache, or an fp8 one under a 16-bit q, over to
-decode_tma.py: one program per (sequence, KV head, 1,024-token chunk) streaming its tiles through a TMA ring, which
-reads closer to the copy bandwidth there (batch 16 decode on one H200: 1.24 -> 1.18-1.19 ms/token for bf16, 1.26
--> 1.17 for fp8). This kernel serves every other case.
+decode_tma.py: one program per (sequence, KV head, chunk of the context) streaming its tiles through a TMA ring,
+which reads closer to the copy bandwidth there (batch 16 decode on one H200: 1.24 -> 1.18-1.19 ms/token for bf16,
+1.26 -> 1.14-1.17 for fp8). This kernel serves every other case.
 
 Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
 padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.

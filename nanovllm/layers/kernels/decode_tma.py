@@ -286,7 +286,7 @@ def chunk_tiles_for(programs: int, sm_count: int, fp8: bool = False) -> int:
     products keep one program of 4 warps from streaming at the SM's share of DRAM (one H200, bound 4,096, us a
     launch, 1,024-token chunks and 4 slots -> this: 16 x 640 15.1 -> 13.4, 12 x 640 11.7 -> 10.8, 15 x 640 + 1 x
     4,096 27.5 -> 25.8; batch 16 decode 1.188-1.209 -> 1.144-1.155 ms/token). Past that (two pairs an SM
-    already) 16 x 2 programs an SM would wait for a second wave (32 x 640: 18.9 us unsplit, 23.8 so)."""
+    already) a second program a pair would wait for a second wave (32 x 640: 18.9 us unsplit, 23.8 so)."""
     if fp8 and programs <= sm_count:
         return FP8_SHORT_CHUNK_TILES
     return CHUNK_TOKENS // (FP8_BLOCK_N if fp8 else BLOCK_N)
