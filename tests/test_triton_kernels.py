@@ -293,15 +293,21 @@ def test_elementwise_kernels_compile_for_hopper():
                             dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
     from nanovllm.layers.kernels import gemv
     # (qkv as it was; o_proj, gate_up and down swapped, o_proj and down split over K)
-    for rows, n, k in ((1, 4096, 1024), (16, 4096, 1024), (16, 1024, 2048), (16, 6144, 1024), (16, 1024, 3072)):
+    # (16 rows: with the norm folded as DecoderModel.forward_rows does: o_proj and down hand it on, qkv and gate_up
+    # take it)
+    for rows, n, k, fold in ((1, 4096, 1024, ""), (16, 4096, 1024, ""), (16, 1024, 2048, ""), (16, 6144, 1024, ""),
+                             (16, 1024, 3072, ""), (16, 1024, 2048, "add"), (16, 1024, 3072, "add"),
+                             (16, 4096, 1024, "scale"), (16, 6144, 1024, "scale")):
         swap = gemv.swapped(rows, n, k)
         block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k, swap)
-        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-                            | {"part_ptr": "*fp32", "count_ptr": "*i32"},
+        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr",
+                                                                     "xn_ptr", "nw_ptr")}
+                            | {"part_ptr": "*fp32", "count_ptr": "*i32", "sumsq_ptr": "*fp32", "eps": "fp32"},
                             dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False,
                                  EVEN=True, SPLIT=gemv.gemv_split_k(rows, n, k, block_n, block_k,
                                                                     torch.device("cpu"), swap) > 1,
-                                 SWAP=swap, PDL=True),
+                                 SWAP=swap, PDL=True, ADD_NORM=fold == "add", SCALE_ROWS=fold == "scale",
+                                 PARTS=16),
                             num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
@@ -627,6 +633,18 @@ def test_gpu_gemv(rows):
 
 
 @pytest.mark.gpu
+def test_gpu_gemv_add_norm():
+    # the norm folded between the Qwen3-0.6B projections at 16 and 9 rows: o_proj -> gate_up, down -> qkv, in
+    # bf16 against float32; and DecoderModel.forward_rows against the plain forward (float16: three layers of
+    # bfloat16 roundings, in another order, would not meet a tolerance that catches a misplaced weight)
+    from tests.triton_kernel_checks import check_decoder_rows_folded, check_gemv_add_norm
+    for rows in (16, 9):
+        check_gemv_add_norm(rows, 1024, 2048, 6144, torch.bfloat16, device="cuda")
+        check_gemv_add_norm(rows, 1024, 3072, 4096, torch.bfloat16, device="cuda")
+        check_decoder_rows_folded(rows, torch.float16, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [True, False])
 def test_gpu_gemv_row_chain(pdl, monkeypatch):
     # the one-row kernel with and without programmatic dependent launch, with the norm / residual add / SiLU folded
@@ -664,13 +682,15 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,kv_dtype", [(1, None), (16, None), (16, torch.float8_e4m3fn)])
-def test_gpu_layer_chain_under_pdl(rows, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("rows,kv_dtype,fold", [(1, None, False), (16, None, False), (16, torch.float8_e4m3fn, False),
+                                               (16, None, True), (12, torch.float8_e4m3fn, True)])
+def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
     """Two decoder layers' kernels at decode shapes (Qwen3-0.6B), each reading what the one before wrote: launched
     under PDL (the norms, SiLU, rotary + K/V store, the 2-16-row linear kernel, decode attention with its early
     L2 prefetch at 1 row, and at 16 rows the TMA ring, which copies the tiles before the new token before its wait,
     from a 16-bit or an fp8 cache), replayed as a CUDA graph with new inputs, they give the bits of plain launches.
-    A kernel that read before the one before it had finished would not."""
+    A kernel that read before the one before it had finished would not. fold: the norms between the projections
+    folded into them as DecoderModel.forward_rows does (gemv's add_norm, then normed)."""
     from nanovllm.layers.attention.fp8 import raw, token_major
     from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -707,17 +727,24 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, monkeypatch):
 
     def step():
         h, r = norm.add_rms_norm(x, res, nw, eps)
+        normed = None
         for (w_qkv, w_o, w_gate_up, w_down), (k_cache, v_cache, *scales) in zip(layers, caches):
-            qkv = gemv.gemv(h, w_qkv)
+            qkv = gemv.gemv(h, w_qkv) if normed is None else gemv.gemv(normed.x, w_qkv, normed=normed)
             q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
             k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
             rope.qk_norm_rope_(q, k, positions, cos_sin, q_w, k_w, eps, store=(v, k_cache, v_cache, slots, *scales))
             o = decode.decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5,
                                         **dict(zip(("k_scale", "v_scale"), scales)))
-            h, r = norm.add_rms_norm(gemv.gemv(o.view(rows, -1), w_o), r, nw, eps)
-            h = gemv.gemv(activation.silu_and_mul(gemv.gemv(h, w_gate_up)), w_down)
-            h, r = norm.add_rms_norm(h, r, nw, eps)
+            if fold:
+                r, normed = gemv.gemv(o.view(rows, -1), w_o, add_norm=(r, nw, eps))
+                act = activation.silu_and_mul(gemv.gemv(normed.x, w_gate_up, normed=normed))
+                r, normed = gemv.gemv(act, w_down, add_norm=(r, nw, eps))
+                h = normed.x
+            else:
+                h, r = norm.add_rms_norm(gemv.gemv(o.view(rows, -1), w_o), r, nw, eps)
+                h = gemv.gemv(activation.silu_and_mul(gemv.gemv(h, w_gate_up)), w_down)
+                h, r = norm.add_rms_norm(h, r, nw, eps)
         return h, r
 
     def inputs(i):  # new contexts (the new token last), tables, slots and hidden states; the caches as at start
@@ -744,7 +771,7 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, monkeypatch):
         out = step()
     # decode attention launched early at 1 row; at 16 (128 programs) the TMA ring, which requests the tiles before
     # the new token before its wait, where the kernel runs here (Hopper with Gluon)
-    if rows == 16 and decode_tma.stages_for(rows * kv_heads, width * block_size, decode.sm_count(x.device)):
+    if rows >= 12 and decode_tma.stages_for(rows * kv_heads, width * block_size, decode.sm_count(x.device)):
         assert tma_launches and not early
     else:
         assert early and all(early) and not tma_launches
@@ -961,6 +988,22 @@ def test_gemv_refuses_the_one_row_kernel_for_more_rows():
     from nanovllm.layers.kernels.gemv import gemv
     with pytest.raises(ValueError, match="row_kernel True"):
         gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)
+
+
+def test_gemv_refuses_a_norm_fold_it_cannot_run():
+    # add_norm and normed run in the general kernel on 2-16 rows with no other fold; a residual unlike y would be
+    # read out of bounds
+    from nanovllm.layers.kernels.gemv import NormedRows, gemv
+    x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)
+    nw = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="add_norm"):
+        gemv(x[:1], w, add_norm=(torch.zeros(1, 8, dtype=torch.bfloat16), nw, 1e-6))
+    with pytest.raises(ValueError, match="add_norm"):
+        gemv(x, w, add_norm=(torch.zeros(3, 16, dtype=torch.bfloat16)[:, :8], nw, 1e-6))
+    with pytest.raises(ValueError, match="add_norm"):
+        gemv(x, w, add_norm=(torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6))
+    with pytest.raises(ValueError, match="normed"):
+        gemv(x, w[:, :16], gated=True, normed=NormedRows(x, torch.zeros(16, 16), 1, 1e-6))
 
 
 def test_rotary_store_refuses_a_v_unlike_k():

@@ -690,6 +690,58 @@ def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     assert_close(y, torch.nn.functional.linear(normed.float(), w.float()), dtype, f"add-normed gemv m={m} k={k}")
 
 
+def check_gemv_add_norm(m: int, n: int, k: int, n_next: int, dtype, configs=(None, None), device="cpu"):
+    """The RMSNorm folded between two small-batch linear layers (gemv's add_norm, then normed): h = x @ W^T +
+    residual and rms_norm(h) * nw @ W2^T + b2 against layernorm.add_rms_norm and F.linear in float32."""
+    from nanovllm.layers import layernorm
+    from nanovllm.layers.kernels.gemv import gemv
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    residual = (torch.randn(m, n, device=device) * 3).to(dtype)
+    nw = (torch.rand(n, device=device) + 0.5).to(dtype)
+    w2 = (torch.randn(n_next, n, device=device) * n ** -0.5).to(dtype)
+    b2 = torch.randn(n_next, device=device).to(dtype)
+    h, rows = gemv(x, w, config=configs[0], add_norm=(residual, nw, 1e-6))
+    y = gemv(rows.x, w2, b2, config=configs[1], normed=rows)
+    ref_y = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+    ref_normed, ref_h = layernorm.add_rms_norm(ref_y, residual, nw, 1e-6)
+    what = f"gemv add_norm m={m} n={n} k={k} configs={configs}"
+    assert_close(h, ref_h.float(), dtype, what + ", h")
+    assert_close(rows.x, (ref_h.float() * nw.float()), dtype, what + ", h * nw")
+    assert_close(y, torch.nn.functional.linear(ref_normed.float(), w2.float(), b2.float()), dtype, what + ", next")
+
+
+def check_decoder_rows_folded(rows: int, dtype, device="cpu"):
+    """Three decoder layers and the final norm through DecoderModel.forward_rows (the RMSNorms folded into the
+    projections' kernels) against the plain forward; attention replaced by a fixed map (its kernels have their own
+    checks), so this pins which norm, residual and weight goes where."""
+    from types import SimpleNamespace
+
+    from nanovllm.models.decoder import DecoderFlags, DecoderModel
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=96, rms_norm_eps=1e-6, vocab_size=50, max_position_embeddings=64,
+                             num_hidden_layers=3)
+    model = DecoderModel(config, DecoderFlags(qkv_bias=True, o_bias=True)).to(device=device, dtype=dtype)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    for layer in model.layers:
+        attn = layer.self_attn
+        mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> heads * head_dim
+        attn.attend = lambda positions, qkv, project=True, mix=mix, attn=attn: (
+            attn.o_proj(qkv @ mix) if project else qkv @ mix)
+    ids = torch.randint(0, 50, (rows,), device=device)
+    positions = torch.arange(rows, device=device)
+    model.fold_norms = False
+    want = model(ids, positions)
+    model.fold_norms = True
+    calls, forward_rows = [], model.forward_rows
+    model.forward_rows = lambda *args: calls.append(args) or forward_rows(*args)
+    got = model(ids, positions)
+    from nanovllm.models.decoder import FOLD_MIN_ROWS
+    assert len(calls) == (rows >= FOLD_MIN_ROWS), "forward_rows taken where it should not be, or not taken"
+    assert_close(got, want.float(), dtype, f"decoder rows={rows}, norms folded")
+
+
 def check_decoder_layer_small_batch(rows: int, dtype, device="cpu"):
     """Two decoder layers on one row through forward_small (norms, residual adds and SiLU-and-mul inside the
     projections' kernels) against the plain forward; attention replaced by a fixed map of qkv (its kernels have
@@ -761,6 +813,21 @@ def test_gemv_fused_kernel(m, n, k, dtype):
 
 def test_decoder_layer_small_batch():
     check_decoder_layer_small_batch(1, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,n_next,configs", [
+    (2, 64, 512, 96, (None, None)),
+    (16, 256, 512, 384, ((64, 128, 4, 2, 2, True), (32, 128, 4, 2))),  # a split, swapped producer; plain consumer
+    (7, 96, 200, 80, ((32, 64, 4, 2, 3), (64, 64, 4, 2, 2, True))),  # ragged: masked columns, rows, K; split both
+])
+def test_gemv_add_norm(m, n, k, n_next, configs, dtype):
+    check_gemv_add_norm(m, n, k, n_next, dtype, configs)
+
+
+@pytest.mark.parametrize("rows", [8, 9, 16])
+def test_decoder_rows_norms_folded(rows):
+    check_decoder_rows_folded(rows, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

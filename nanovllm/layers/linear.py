@@ -81,6 +81,12 @@ class LinearBase(nn.Module):
         out = gemv(x, self.weight, self.bias, norm=(norm.weight, norm.eps), residual=residual)
         return out if residual is not None else (out, x)
 
+    def forward_from_normed(self, rows) -> torch.Tensor:
+        """self(rms_norm(h)) from gemv.NormedRows (the norm folded into the small-batch kernel; 2-16 rows, the
+        caller checks). Column-parallel layers only (no all-reduce)."""
+        from nanovllm.layers.kernels.gemv import gemv
+        return gemv(rows.x, self.weight, self.bias, normed=rows)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
         sharded = self.tp_dim is not None and param.dim() > self.tp_dim
@@ -160,3 +166,10 @@ class RowParallelLinear(LinearBase):
         else:
             y = self.matmul(x, self.weight, bias)
         return all_reduce(y, self.tp_group)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
+        """(h, rows): h = self(x) + residual (the new residual) and rows = gemv.NormedRows, the next layer's input
+        with `norm` folded in (forward_from_normed), from the small-batch kernel's epilogue. One rank only (the
+        sum would need the all-reduce first); 2-16 rows, the caller checks."""
+        from nanovllm.layers.kernels.gemv import gemv
+        return gemv(x, self.weight, self.bias, add_norm=(residual, norm.weight, norm.eps))

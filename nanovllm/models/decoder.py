@@ -10,9 +10,21 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, one_row
+from nanovllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    one_row,
+    small_batch_rows,
+)
 from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+# Fewest rows that take DecoderModel.forward_rows (up to the small-batch kernel's 16). Measured on one H200 at
+# Qwen3-0.6B's shapes (docs/benchmarks.md, 2026-12-04), ms/token at contexts 512-640, without -> with the folds:
+# batch 16 1.177-1.187 -> 1.108-1.118, batch 12 1.098-1.130 -> 1.065-1.123, batch 8 1.082-1.089 -> 1.105-1.118
+# (slower), batch 4 0.986-1.034 -> 1.008-1.009, batch 2 0.966-0.985 -> 0.946-0.952.
+FOLD_MIN_ROWS = 9
 
 
 @dataclass
@@ -82,8 +94,8 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, project: bool = True) -> torch.Tensor:
+        """Everything after the qkv projection: q/k norm, rotary, attention, and o_proj where `project`."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -99,8 +111,8 @@ class DecoderAttention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, stored=stored)
-        return self.o_proj(o.flatten(1, -1))
+        o = self.attn(q, k, v, stored=stored).flatten(1, -1)
+        return self.o_proj(o) if project else o
 
 
 class DecoderMLP(nn.Module):
@@ -167,12 +179,40 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fold_norms = False  # CUDA, one GPU, dense MLPs: FOLD_MIN_ROWS-16 rows take forward_rows
+
+    def use_compiled(self, enabled: bool = True):
+        self.fold_norms = (enabled and all(isinstance(layer.mlp, DecoderMLP) for layer in self.layers)
+                           and self.layers[0].self_attn.o_proj.tp_size == 1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if (self.fold_norms and hidden.shape[0] >= FOLD_MIN_ROWS
+                and small_batch_rows(hidden, self.layers[0].self_attn.qkv_proj.weight)):
+            return self.forward_rows(positions, hidden)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def forward_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The same layers for 2-16 16-bit rows on one GPU (small-batch decode), the RMSNorms between layers folded
+        into the projections' kernels (layers/kernels/gemv.py's add_norm): o_proj and down add the residual and
+        hand the next projection (gate_up, the next layer's qkv) its input with the norm folded in, so the step
+        runs two norm kernels (the first and the last) instead of one before each projection."""
+        layers = self.layers
+        rows, residual = None, hidden
+        x = layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_proj(x) if rows is None else attn.qkv_proj.forward_from_normed(rows)
+            o = attn.attend(positions, qkv, project=False)
+            residual, rows = attn.o_proj.forward_add_norm(o, residual, layer.post_attention_layernorm)
+            act = mlp.act_fn(mlp.gate_up_proj.forward_from_normed(rows))
+            if i + 1 < len(layers):
+                residual, rows = mlp.down_proj.forward_add_norm(act, residual, layers[i + 1].input_layernorm)
+            else:
+                hidden, _ = self.norm(mlp.down_proj(act), residual)
         return hidden
 
 

@@ -16,8 +16,14 @@ starts early under programmatic dependent launch (kernels/pdl.py). `benchmarks/s
 a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-row kernel, 463 with the folds and
 PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
 program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
+
+2-16 rows fold an RMSNorm between two linear layers differently (add_norm, then NormedRows): rms_norm(h) @ W^T =
+rstd * ((h * w) @ W^T) per row, so the layer before (o_proj, down) adds the residual in its epilogue and writes
+h * w and its columns' partial sums of squares of h, and the layer after (gate_up, the next qkv) runs its loop on
+h * w unchanged and scales each output row by rstd at its end: no norm kernel, nothing read before the loop.
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,14 +45,19 @@ ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slic
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                 stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 stride_ym, res_ptr, xn_ptr, nw_ptr, sumsq_ptr, n_parts, eps, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 SPLIT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                 ADD_NORM: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False, PARTS: tl.constexpr = 1):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
     up, writes y and sets the counter back to zero (no second kernel, no zeroed output). The split count is a
-    run-time value: one compiled kernel for every count."""
+    run-time value: one compiled kernel for every count.
+    ADD_NORM: y is h = y + residual (res_ptr, rounded as layernorm.add_rms_norm rounds), and the program also
+    writes h * nw to xn_ptr and its columns' sums of squares of h to sumsq_ptr[n] ([BLOCK_M] floats).
+    SCALE_ROWS: x is such an h * nw; the n_parts sums of squares at sumsq_ptr give each row's rstd (K = h's width),
+    which scales the row's products before the bias."""
     if PDL:  # launched early (kernels/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
@@ -57,6 +68,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     mask_m = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # (loaded before the loop, used after it: the loads overlap the stream of W)
+    if SCALE_ROWS:
+        offs_p = tl.arange(0, PARTS)
+        sumsq = tl.load(sumsq_ptr + offs_p[:, None] * BLOCK_M + offs_m[None, :], mask=(offs_p < n_parts)[:, None],
+                        other=0.0)
+    if ADD_NORM:
+        res = tl.load(res_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :],
+                      other=0.0)
+        nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: y^T = W x^T, W's rows as the dot's M (wgmma)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: products summed over K once, at the end
@@ -93,10 +113,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in range(0, splits):  # written by other SMs: read from L2 (.cg), never a stale L1 line
             acc += tl.load(part + s * BLOCK_M * N, mask=mask_n[None, :], other=0.0, cache_modifier=".cg")
+    if SCALE_ROWS:
+        acc = acc * tl.rsqrt(tl.sum(sumsq, 0) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    dtype = y_ptr.dtype.element_ty
+    y_at = offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if ADD_NORM:
+        h = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + y_at, h, mask=mask_y)
+        tl.store(xn_ptr + y_at, (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype), mask=mask_y)
+        h = tl.where(mask_y, h.to(tl.float32), 0.0)
+        tl.store(sumsq_ptr + pid_n * BLOCK_M + offs_m, tl.sum(h * h, 1))
+    else:
+        tl.store(y_ptr + y_at, acc.to(dtype), mask=mask_y)
 
 
 @triton.jit
@@ -199,24 +230,46 @@ def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: tor
     return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
 
 
+@dataclass
+class NormedRows:
+    """The input of a linear layer with the RMSNorm before it folded in (gemv's add_norm gives it, gemv's normed
+    takes it): x = h * the norm's weight, rounded, and h's rows' sums of squares in `parts` partial sums (float32
+    [parts, MAX_ROWS] in a scratch buffer shared by every layer: valid until the next add_norm launch)."""
+    x: torch.Tensor
+    sumsq: torch.Tensor
+    parts: int
+    eps: float
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, ...] | None = None, row_kernel: bool | None = None,
          pdl: bool | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None):
+         residual: torch.Tensor | None = None, add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+         normed: NormedRows | None = None):
     """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K. One row up to
     ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
     one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
     norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
-    (y, x + residual). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the
-    general kernel's tile (K-splits 0: the default count), row_kernel and pdl force choices."""
+    (y, x + residual). 2-16 rows, the RMSNorm between two layers (general kernel): add_norm=(residual, the next
+    norm's weight, its eps) returns (h, NormedRows) with h = y + residual; normed=NormedRows: the layer reads
+    rms_norm(h) * weight (x is then normed.x). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
+    K-splits[, swapped]]) picks the general kernel's tile (K-splits 0: the default count), row_kernel and pdl force
+    choices."""
+    if normed is not None:
+        x = normed.x
     m, width = x.shape
     n, k = weight.shape
+    folds = add_norm is not None or normed is not None
     if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
             and (residual is None or (norm is not None and residual.shape == x.shape))
-            and (not row_kernel or m == 1)):  # the one-row kernel reads row 0 only
+            and (not row_kernel or m == 1)  # the one-row kernel reads row 0 only
+            and (not folds or (1 < m and not (gated or norm is not None or row_kernel)))
+            and (add_norm is None or (add_norm[0].shape == (m, n) and add_norm[0].is_contiguous()
+                                      and add_norm[1].shape == (n,)))):
         raise ValueError(f"gemv: x {tuple(x.shape)} (strides {x.stride()}), weight {tuple(weight.shape)}, gated "
                          f"{gated}, residual {None if residual is None else tuple(residual.shape)}, row_kernel "
-                         f"{row_kernel} do not fit")
+                         f"{row_kernel}, add_norm {None if add_norm is None else tuple(add_norm[0].shape)}, normed "
+                         f"{normed is not None} do not fit (add_norm and normed: 2-16 rows, no other fold)")
     if row_kernel is None:
         row_kernel = m == 1 and k <= ROW_MAX_K and config is None
     if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
@@ -254,10 +307,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         counters = split_counters(x.device, triton.cdiv(n, block_n))
     else:
         part, counters = y, y  # unused
+    res, xn, norm_w, sumsq, parts, eps = y, y, y, y, 1, 0.0  # (unused without a fold)
+    if add_norm is not None:
+        res, norm_w, eps = add_norm
+        xn = torch.empty_like(y)
+        parts = triton.cdiv(n, block_n)
+        sumsq = scratch(x.device, "gemv_sumsq", parts * block_m, torch.float32)
+    elif normed is not None:
+        sumsq, parts, eps = normed.sumsq, normed.parts, normed.eps
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
-        weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1, SWAP=swap, num_warps=warps,
-        PDL=pdl, num_stages=stages, **pdl_launch(pdl))
+        weight.stride(0), y.stride(0), res, xn, norm_w, sumsq, parts, eps, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1,
+        SWAP=swap, PDL=pdl, ADD_NORM=add_norm is not None, SCALE_ROWS=normed is not None,
+        PARTS=triton.next_power_of_2(parts), num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+    if add_norm is not None:
+        return y, NormedRows(xn, sumsq, parts, eps)
     return y
