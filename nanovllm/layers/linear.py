@@ -81,11 +81,12 @@ class LinearBase(nn.Module):
         out = gemv(x, self.weight, self.bias, norm=(norm.weight, norm.eps), residual=residual)
         return out if residual is not None else (out, x)
 
-    def forward_from_normed(self, rows) -> torch.Tensor:
+    def forward_from_normed(self, rows, gated_out: bool = False) -> torch.Tensor:
         """self(rms_norm(h)) from gemv.NormedRows (the norm folded into the small-batch kernel; 2-16 rows, the
-        caller checks). Column-parallel layers only (no all-reduce)."""
+        caller checks); gated_out: an MLP's [gate, up], returns silu_and_mul of it from the kernel's epilogue.
+        Column-parallel layers only (no all-reduce)."""
         from nanovllm.layers.kernels.gemv import gemv
-        return gemv(rows.x, self.weight, self.bias, normed=rows)
+        return gemv(rows.x, self.weight, self.bias, normed=rows, gated_out=gated_out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds

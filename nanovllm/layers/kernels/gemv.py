@@ -43,12 +43,13 @@ SWAP_MIN_K = 2048  # ... or where K is this long: cut into K-splits, the few pro
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (one kernel for 2-16 rows: 9 and 16 rows are both decode and prefill)
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                  stride_ym, res_ptr, xn_ptr, nw_ptr, sumsq_ptr, n_parts, eps, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  SPLIT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                 ADD_NORM: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False, PARTS: tl.constexpr = 1):
+                 ADD_NORM: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False, PARTS: tl.constexpr = 1,
+                 GATED_OUT: tl.constexpr = False):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
@@ -57,14 +58,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     ADD_NORM: y is h = y + residual (res_ptr, rounded as layernorm.add_rms_norm rounds), and the program also
     writes h * nw to xn_ptr and its columns' sums of squares of h to sumsq_ptr[n] ([BLOCK_M] floats).
     SCALE_ROWS: x is such an h * nw; the n_parts sums of squares at sumsq_ptr give each row's rstd (K = h's width),
-    which scales the row's products before the bias."""
+    which scales the row's products before the bias.
+    GATED_OUT: W is an MLP's [gate; up] (N rows, N/2 each) and y [M, N/2] is silu(gate) * up: program n takes
+    gate rows [n * BLOCK_N/2, +BLOCK_N/2) and the matching up rows, and rounds both before the SiLU-and-mul (as
+    kernels/activation.py after the layer)."""
     if PDL:  # launched early (kernels/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GATED_OUT:  # the tile's W rows: gate rows, then the up rows N/2 further
+        r = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * HALF + r % HALF + (r // HALF) * (N // 2)
+        mask_n = pid_n * HALF + r % HALF < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
     mask_m = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -126,6 +136,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         tl.store(xn_ptr + y_at, (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype), mask=mask_y)
         h = tl.where(mask_y, h.to(tl.float32), 0.0)
         tl.store(sumsq_ptr + pid_n * BLOCK_M + offs_m, tl.sum(h * h, 1))
+    elif GATED_OUT:
+        gate, up = tl.split(tl.permute(tl.reshape(acc.to(dtype), [BLOCK_M, 2, HALF]), (0, 2, 1)))
+        offs_o = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_o[None, :], activation.silu_mul(gate, up, dtype),
+                 mask=mask_m[:, None] & (offs_o < N // 2)[None, :])
     else:
         tl.store(y_ptr + y_at, acc.to(dtype), mask=mask_y)
 
@@ -245,31 +260,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: tuple[int, ...] | None = None, row_kernel: bool | None = None,
          pdl: bool | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None, add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-         normed: NormedRows | None = None):
+         normed: NormedRows | None = None, gated_out: bool = False):
     """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K. One row up to
     ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
     one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
     norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
     (y, x + residual). 2-16 rows, the RMSNorm between two layers (general kernel): add_norm=(residual, the next
     norm's weight, its eps) returns (h, NormedRows) with h = y + residual; normed=NormedRows: the layer reads
-    rms_norm(h) * weight (x is then normed.x). Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
+    rms_norm(h) * weight (x is then normed.x). gated_out (2-16 rows): weight is an MLP's [gate; up] and the layer
+    returns silu_and_mul of its output, [M, N/2]. Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
     K-splits[, swapped]]) picks the general kernel's tile (K-splits 0: the default count), row_kernel and pdl force
     choices."""
     if normed is not None:
         x = normed.x
     m, width = x.shape
     n, k = weight.shape
-    folds = add_norm is not None or normed is not None
+    folds = add_norm is not None or normed is not None or gated_out
     if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
             and (residual is None or (norm is not None and residual.shape == x.shape))
             and (not row_kernel or m == 1)  # the one-row kernel reads row 0 only
             and (not folds or (1 < m and not (gated or norm is not None or row_kernel)))
+            and (not gated_out or (n % 2 == 0 and add_norm is None))
             and (add_norm is None or (add_norm[0].shape == (m, n) and add_norm[0].is_contiguous()
                                       and add_norm[1].shape == (n,)))):
         raise ValueError(f"gemv: x {tuple(x.shape)} (strides {x.stride()}), weight {tuple(weight.shape)}, gated "
                          f"{gated}, residual {None if residual is None else tuple(residual.shape)}, row_kernel "
                          f"{row_kernel}, add_norm {None if add_norm is None else tuple(add_norm[0].shape)}, normed "
-                         f"{normed is not None} do not fit (add_norm and normed: 2-16 rows, no other fold)")
+                         f"{normed is not None}, gated_out {gated_out} do not fit (add_norm, normed and gated_out: "
+                         "2-16 rows, no other fold; gated_out: an even N, no add_norm)")
     if row_kernel is None:
         row_kernel = m == 1 and k <= ROW_MAX_K and config is None
     if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
@@ -282,7 +300,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x = norm_kernels.rms_norm(x, *norm)
         y = gemv(x, weight, bias, config, row_kernel=False)
         return (y, new_residual) if residual is not None else y
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if gated_out else n, dtype=x.dtype, device=x.device)
     if row_kernel:
         pdl = pdl_enabled(x.device) if pdl is None else pdl
         res_out = torch.empty_like(residual) if residual is not None else y
@@ -321,7 +339,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight.stride(0), y.stride(0), res, xn, norm_w, sumsq, parts, eps, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1,
         SWAP=swap, PDL=pdl, ADD_NORM=add_norm is not None, SCALE_ROWS=normed is not None,
-        PARTS=triton.next_power_of_2(parts), num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        PARTS=triton.next_power_of_2(parts), GATED_OUT=gated_out, num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl))
     if add_norm is not None:
         return y, NormedRows(xn, sumsq, parts, eps)
     return y
