@@ -21,9 +21,10 @@ from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 # Fewest rows that take DecoderModel.forward_rows (up to the small-batch kernel's 16). Measured on one H200 at
-# Qwen3-0.6B's shapes (docs/benchmarks.md, 2026-12-04), ms/token at contexts 512-640, without -> with the folds:
-# batch 16 1.177-1.187 -> 1.108-1.118, batch 12 1.098-1.130 -> 1.065-1.123, batch 8 1.082-1.089 -> 1.105-1.118
-# (slower), batch 4 0.986-1.034 -> 1.008-1.009, batch 2 0.966-0.985 -> 0.946-0.952.
+# Qwen3-0.6B's shapes (docs/benchmarks.md, 2026-12-04, thirtieth session), ms/token at contexts 512-640: the norms
+# folded (without -> with): batch 16 1.177-1.187 -> 1.108-1.118, batch 12 1.098-1.130 -> 1.065-1.123, batch 8
+# 1.079-1.089 -> 1.105-1.118 (slower), batch 4 0.986-1.034 -> 1.008-1.009, batch 2 0.966-0.985 -> 0.946-0.952;
+# SiLU-and-mul in gate_up's epilogue on top: batch 16 1.118-1.119 -> 1.088-1.094, batch 12 about the same.
 FOLD_MIN_ROWS = 9
 
 
