@@ -26,14 +26,14 @@ def _random_prompts(rng: Random, count: int, lo: int, hi: int, max_id: int) -> l
 
 def _timed(llm, prompts, params) -> tuple[float, int, list[dict]]:
     """(seconds, prompt tokens the engine computed, outputs)."""
-    computed, step = [], llm.step
-    llm.step = lambda: (lambda r: (computed.append(r[1]), r)[1])(step())
+    computed, step = [], llm._step
+    llm._step = lambda: (lambda r: (computed.append(r[1]), r)[1])(step())
     try:
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, sum(n for n in computed if n > 0), outs
     finally:
-        del llm.step
+        del llm._step
 
 
 def samples(llm, args):

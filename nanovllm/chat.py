@@ -26,8 +26,13 @@ class ChatMixin:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with "
                              "plain prompts for a base model")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False,
-                                                  **template_kwargs)
+        if "tokenize" in template_kwargs or "conversation" in template_kwargs:
+            raise ValueError("chat_template_kwargs cannot set 'tokenize' or 'conversation': the engine renders the "
+                             "conversation to text itself")
+        # add_generation_prompt defaults to True; chat_template_kwargs may turn it off (a final assistant turn to
+        # continue)
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  **{"add_generation_prompt": True, **template_kwargs})
         # The template already wrote any BOS it wants; encoding must not add another.
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -6,6 +6,7 @@ import torch
 from nanovllm.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 
@@ -80,6 +81,14 @@ class Config:
         if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap;
             # with tensor parallelism it works (rank 0 broadcasts each step's tokens) but is not yet measured on GPUs
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got "
+                             f"{self.attention_backend!r}")
+        # (Triton's interpreter, TRITON_INTERPRET=1, runs the Triton kernels on a CPU: tests use it)
+        if self.device == "cpu" and (self.attention_backend == "flash_attn" or self.attention_backend == "triton"
+                                     and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs a CUDA GPU; on CPU use 'auto' or "
+                             "'torch'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -61,6 +61,12 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self):
+        """Check every field, raising ValueError/TypeError that says what to change, and normalize (top_k 0 -> -1,
+        lists for stop and stop_token_ids). Runs at construction and again when a request is submitted, so a field
+        set after construction (an RL loop's `sp.n = k`) is checked as well."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value):

@@ -102,3 +102,13 @@ def test_model_without_chat_template(tmp_path):
     with LLM(make_checkpoint(tmp_path, "llama"), **SMALL) as llm:
         with pytest.raises(ValueError, match="no chat template"):
             llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+
+
+def test_chat_template_kwargs_may_turn_the_generation_prompt_off(llm):
+    """add_generation_prompt defaults to True; chat_template_kwargs may set it (to continue a last assistant turn)."""
+    conversation = [{"role": "user", "content": "Hello world!"}]
+    bare = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    generation_prompt = 1 + len(llm.tokenizer.encode("assistant\n", add_special_tokens=False))  # <|im_start|>...
+    assert bare["prompt_token_ids"] == _expected_ids(llm, conversation)[:-generation_prompt]
+    with pytest.raises(ValueError, match="cannot set 'tokenize'"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})

@@ -256,8 +256,9 @@ def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128, async_scheduling=False)
     prompt = _prompts(14, [32])[0]  # exactly two full blocks
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    running = llm.stream([prompt], sp)
-    next(running), next(running)  # the first request is decoding; both its blocks are cached
+    first = llm.add_request(prompt, sp)
+    llm.step(), llm.step()  # the first request is decoding; both its blocks are cached
+    assert first.num_completion_tokens == 2
     written = []  # every slot the step writes: through the store kernel, or the rotary kernel (Triton, CUDA)
     store = llm.executor.runner.backend.store_kvcache
     llm.executor.runner.backend.store_kvcache = lambda k, v, kc, vc, slots: (written.extend(slots.tolist()),
@@ -276,7 +277,6 @@ def test_full_prefix_hit_never_writes_into_a_shared_block(qwen3_tied):
     shared = {b for b in seq.block_table if bm.blocks[b].ref_count > 1}
     assert shared and seq.num_prefix_hit_tokens == 16
     assert not {slot // 16 for slot in written} & shared
-    running.close()
 
 
 def test_collective_rpc_on_one_rank(qwen3_tied):
@@ -296,9 +296,14 @@ def test_collective_rpc_on_one_rank(qwen3_tied):
             llm.collective_rpc(method)
     running = llm.stream([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     next(running)
-    with pytest.raises(RuntimeError, match="while requests are running"):
+    with pytest.raises(RuntimeError, match="while another call is using this engine"):
         llm.collective_rpc("describe")
     running.close()
+    queued = llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="while requests are running"):
+        llm.collective_rpc("describe")
+    while not queued.is_finished:
+        llm.step()
     prompts = _prompts(15, [9])
     _check_exact(qwen3_tied, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 

@@ -110,7 +110,7 @@ def test_smallest_cache_runs_the_longest_prompt(qwen3_tied):
     (dict(max_model_len="long"), TypeError, "max_model_len"),
     (dict(enforce_eager=1), TypeError, "enforce_eager"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling must be True, False or None"),
-    (dict(attention_backend="magic"), ValueError, "torch, triton, flash_attn"),
+    (dict(attention_backend="magic"), ValueError, "'torch', 'triton', 'flash_attn'"),
     (dict(seed=2**64), ValueError, "seed"),
     # sizes that can never work are reported at start
     (dict(kvcache_block_size=16, num_kvcache_blocks=2, max_model_len=64), ValueError, "fewer than max_model_len"),
@@ -205,8 +205,81 @@ def test_shutdown(qwen3_tied):
 
 
 def test_head_size_the_triton_backend_cannot_run(tmp_path):
-    """Checked once, when the engine starts, with what to change."""
-    path = make_checkpoint(tmp_path, "qwen3", head_dim=24)
+    """Checked once, when the engine starts (ModelRunner: backend.check_head_dim), with what to change."""
+    from nanovllm.layers.attention.triton_backend import TritonAttention
     with pytest.raises(ValueError, match="head_dim a power of two.*got 24.*attention_backend='torch'"):
-        LLM(path, device="cpu", attention_backend="triton")
+        TritonAttention().check_head_dim(24)
+    path = make_checkpoint(tmp_path, "qwen3", head_dim=24)
     LLM(path, device="cpu", attention_backend="torch").exit()  # the same model runs on the torch backend
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_a_gpu_attention_backend_on_cpu_says_so(qwen3_tied, backend, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=f"attention_backend='{backend}' needs a CUDA GPU; on CPU use 'auto'"):
+        LLM(qwen3_tied, device="cpu", attention_backend=backend)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(qwen3_tied, device="cpu", attention_backend="flash")
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("temperature", float("nan"), ValueError, "temperature must be finite"),
+    ("n", 0, ValueError, "n must be >= 1"),
+    ("max_tokens", 0, ValueError, "max_tokens must be >= 1"),
+    ("seed", 2**70, ValueError, "seed must fit in 64 bits"),
+    ("prompt_logprobs", -2, ValueError, "prompt_logprobs must be None or an int >= 0"),
+    ("stop", [""], ValueError, "stop strings must not be empty"),
+    ("top_k", 1.5, TypeError, "top_k must be an int"),
+])
+def test_sampling_params_changed_after_construction_are_checked_at_submission(llm, qwen3_tied, field, value, error,
+                                                                             match):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    setattr(sp, field, value)  # as an RL loop does between calls: sp.n = k
+    with pytest.raises(error, match=match):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    with pytest.raises(error, match=match):
+        llm.stream([[1, 2, 3]], sp)
+    _still_exact(llm, qwen3_tied)
+
+
+def test_a_request_keeps_the_params_it_was_submitted_with(llm, qwen3_tied):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    stream = llm.stream([prompt], sp)
+    first = next(stream)
+    sp.max_tokens, sp.n = 2, 3  # changed while the request runs: it is not affected
+    tokens = first["token_ids"] + [t for item in stream for t in item["token_ids"]]
+    assert tokens == hf_greedy(qwen3_tied, prompt, 8)
+
+
+def test_small_calls_answer_clearly(llm, qwen3_tied):
+    assert llm.collective_rpc("describe", args=None)[0]["rank"] == 0
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        llm.collective_rpc("describe", args=3)
+    with pytest.raises(TypeError, match="item 0 must be a \\(name, tensor\\) pair, got a Tensor"):
+        llm.update_weights([torch.zeros(3)])
+    with pytest.raises(TypeError, match="item 0 must be a \\(name, tensor\\) pair, got a tuple of length 3"):
+        llm.update_weights([("model.norm.weight", torch.ones(64), 1)])
+    _still_exact(llm, qwen3_tied)
+
+
+def test_calls_after_exit_say_so(qwen3_tied):
+    llm = LLM(qwen3_tied, **SMALL)
+    llm.exit()
+    for call in (lambda: llm.add_request([1, 2], GREEDY), lambda: llm.step(), lambda: llm.stream([[1, 2]], GREEDY),
+                 lambda: llm.update_weights([]), lambda: llm.collective_rpc("describe"), lambda: llm.sleep()):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"temperature": -1}', "generation_config.json sets a default nanovllm cannot use: temperature must be >= 0"),
+    ('{"temperature": 0.7,', "generation_config.json is not valid JSON"),
+    ('[1, 2]', "generation_config.json must hold a JSON object"),
+])
+def test_a_bad_generation_config_is_named(qwen3_tied, tmp_path, content, match):
+    path = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, path)
+    (path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), **SMALL)

@@ -48,13 +48,13 @@ def test_greedy_n_gives_n_equal_samples_equal_to_transformers(llm, qwen3_tied, l
 def test_the_prompt_is_computed_once(llm):
     prompt = _prompts(1, [37])[0]
     computed = []
-    step = llm.step
-    llm.step = lambda: (lambda r: (computed.append(r[1]), r)[1])(step())
+    step = llm._step
+    llm._step = lambda: (lambda r: (computed.append(r[1]), r)[1])(step())
     try:
         out = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)[0]
     finally:
-        del llm.step
+        del llm._step
     assert sum(n for n in computed if n > 0) == len(prompt)  # one prefill of the prompt, for all 5 samples
     assert all(len(ids) == 6 for ids in _samples(out))
 
@@ -76,6 +76,55 @@ def test_seeded_samples_differ_repeat_and_ignore_their_batch(llm):
     assert _samples(mixed[1]) == _samples(alone)
     assert [len(o["outputs"]) for o in mixed] == [3, 4, 1, 2]
     assert _all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("length", [16, 21])  # a full last prompt block (shared), a partial one (copied)
+def test_seeded_samples_equal_independent_requests(qwen3_tied, length):
+    """Sample i of n with seed s is the request with seed s + i alone (as vLLM): checked against such requests,
+    not only against each other. With a partly filled last prompt block, samples that shared it instead of each
+    copying it would write their different tokens into the same slots: their continuations would drift."""
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256,
+             enable_prefix_caching=False) as llm:
+        prompt = _prompts(20, [length])[0]
+        sp = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+        together = _samples(llm.generate([prompt], SamplingParams(n=3, seed=11, **sp), use_tqdm=False)[0])
+        alone = [llm.generate([prompt], SamplingParams(seed=11 + i, **sp), use_tqdm=False)[0]["token_ids"]
+                 for i in range(3)]
+        assert together == alone and len({tuple(t) for t in alone}) == 3
+
+
+def test_forks_share_the_full_prompt_blocks_and_copy_the_last(qwen3_tied):
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        seq = llm.add_request(_prompts(21, [40])[0], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=4))
+        llm.step()  # the prefill: the prompt's 3 blocks (2 full), shared by the 4 samples, the partial one copied
+        assert llm.num_kvcache_blocks - llm.scheduler.block_manager.num_free_blocks == 2 + 4
+        while not llm.is_finished():
+            llm.step()
+        assert seq.is_finished and _all_blocks_free(llm)
+
+
+def test_forks_count_against_max_num_seqs(qwen3_tied):
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, max_num_seqs=4) as llm:
+        params = SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = _prompts(22, [9, 12])
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        most = 0
+        while not llm.is_finished():
+            llm.step()
+            most = max(most, len(llm.scheduler.running))
+        assert most == 3  # the second request's 3 samples waited for the first's: 6 would exceed 4
+
+
+def test_admission_reserves_the_fork_copies(qwen3_tied):
+    """Two n=4 requests whose prompts end in a partial block need 1 + 4 blocks each at the end of their prefill; a
+    cache of 8 holds one: the second waits instead of running out of blocks mid-fork."""
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=64) as llm:
+        prompts = _prompts(23, [21, 22])
+        outs = llm.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)
+        assert [_samples(o) for o in outs] == [[hf_greedy(qwen3_tied, p, 4)] * 4 for p in prompts]
+        assert _all_blocks_free(llm)
 
 
 def test_n_with_a_cache_too_small_preempts_and_stays_exact(qwen3_tied):
@@ -229,7 +278,10 @@ def test_bad_weights_change_nothing(qwen3_tied, qwen3_b):
         (good + [("model.layers.0.mlp.nope.weight", torch.zeros(2))], ValueError, "'model.layers.0.mlp.nope.weight' "
                                                                                   "matches no parameter"),
         (good + [(q, torch.zeros(64, 64 + 1))], ValueError, rf"'{q}': shape \(64, 65\) does not match"),
-        (good + [("model.norm.weight", [1.0] * 64)], TypeError, "pairs with a str name"),
+        (good + [("model.norm.weight", [1.0] * 64)], TypeError, "must be a \\(str, torch.Tensor\\) pair"),
+        # a meta tensor holds no values: refused before the valid tensors before it are written
+        ([good[0], ("model.norm.weight", torch.empty(64, device="meta"))], ValueError, "is a meta tensor"),
+        ([("model.norm.weight", torch.ones(64, dtype=torch.int64))], ValueError, "floating-point"),
         (42, TypeError, "update_weights takes"),
         ("/no/such/dir", ValueError, "not a checkpoint directory"),
     ]:
@@ -239,9 +291,36 @@ def test_bad_weights_change_nothing(qwen3_tied, qwen3_b):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)
     running = llm.stream([[1, 2, 3]], SamplingParams(max_tokens=5))
     next(running)
-    with pytest.raises(RuntimeError, match="update_weights\\(\\) called while requests are running"):
+    with pytest.raises(RuntimeError, match="update_weights\\(\\) called while another call is using this engine"):
         llm.update_weights(good)
     running.close()
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    with pytest.raises(RuntimeError, match="update_weights\\(\\) called while requests are running"):
+        llm.update_weights(good)
+
+
+def test_a_write_that_fails_half_way_is_never_served(qwen3_tied, qwen3_b, monkeypatch):
+    """A failure inside the write itself (not the input: out of memory, a lost worker) leaves some weights new:
+    generate refuses until a full set is loaded."""
+    llm = LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=256)
+    runner = llm.executor.runner
+    write = type(runner).update_weights
+
+    def half_write(self, weights, require_all=False):
+        write(self, weights[:1], require_all=False)
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(type(runner), "update_weights", half_write)
+    state = hf_model(qwen3_b).state_dict()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.update_weights(state)
+    monkeypatch.undo()
+    prompt = _prompts(13, [11])[0]
+    with pytest.raises(RuntimeError, match="update_weights\\(\\) failed while writing .* load a full set"):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="lacks weights for"):
+        llm.update_weights({"model.norm.weight": state["model.norm.weight"]})
+    llm.update_weights(state)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 12)
 
 
 # ---- sleep and wake -------------------------------------------------------------------------------
@@ -251,8 +330,14 @@ def test_sleep_and_wake_up(qwen3_tied):
     prompts = _prompts(14, [30, 8])
     sp = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True)]
     before = llm.generate(prompts, sp, use_tqdm=False)
+    import gc
+    import weakref
+    cache = weakref.ref(llm.executor.runner.kv_cache)
     llm.sleep(level=1)
     assert llm.is_sleeping() and llm.executor.runner.kv_cache is None
+    gc.collect()
+    assert cache() is None  # nothing, no attention layer included, still holds the freed cache
+    assert all(layer.k_cache.numel() == 0 for layer in llm.executor.runner.attn_layers)
     with pytest.raises(RuntimeError, match="asleep .* call wake_up\\(\\) first"):
         llm.generate(prompts, sp, use_tqdm=False)
     with pytest.raises(RuntimeError, match="already asleep"):
@@ -317,7 +402,7 @@ def test_sleep_level_2_then_new_weights(qwen3_tied, qwen3_b):
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_b, prompt, 12)
     llm.sleep(level=2)
     llm.wake_up()
-    with pytest.raises(RuntimeError, match="freed by sleep\\(level=2\\); load new ones with update_weights"):
+    with pytest.raises(RuntimeError, match="freed by sleep\\(level=2\\); load a full set with update_weights"):
         llm.generate([prompt], GREEDY, use_tqdm=False)
     llm.update_weights(hf_model(qwen3_tied).state_dict())  # after wake_up
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, prompt, 12)

@@ -83,6 +83,7 @@ def test_preemption_recomputes_the_newest_sequence():
     assert not is_prefill and seqs == [a]
     assert b.status == SequenceStatus.WAITING and not b.block_table and s.waiting[0] is b
     assert b.num_tokens == 17  # its sampled token is kept and recomputed later
+    assert b.num_cached_tokens == 0 and s.block_manager.num_free_blocks == 1  # its block is back (a holds 2)
 
 
 def test_preempted_sequence_waits_behind_chunked_prefill():

@@ -317,6 +317,22 @@ def test_a_failed_start_leaves_nothing(qwen3_tied, tmp_path):
     assert set(glob.glob("/dev/shm/nanovllm_*")) <= segments
 
 
+@pytest.mark.parametrize("broken", ["generation_config.json", "tokenizer.json"])
+def test_a_start_that_fails_after_the_config_leaves_nothing(qwen3_tied, tmp_path, broken):
+    """generation_config.json is read before any worker starts (its error names the file); a tokenizer that fails to
+    load is found after the workers started: they are shut down, and their shared memory removed."""
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, path)
+    (path / broken).write_text('{"temperature": -1}' if broken == "generation_config.json" else "{not json")
+    children, segments = set(multiprocessing.active_children()), set(glob.glob("/dev/shm/nanovllm_*"))
+    with _deadline(60), pytest.raises(ValueError, match="generation_config.json sets a default" if
+                                       broken == "generation_config.json" else "tokenizer files .* cannot be loaded"):
+        LLM(str(path), **TP_OPTIONS)
+    assert set(multiprocessing.active_children()) <= children
+    assert set(glob.glob("/dev/shm/nanovllm_*")) <= segments
+
+
 def test_explicit_exit_and_exit_at_interpreter_exit_leave_nothing(qwen3_tied):
     # Explicit exit: the with-block's end.
     with LLM(qwen3_tied, **TP_OPTIONS) as llm:

@@ -5,15 +5,16 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from numbers import Integral
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.batch import ScheduledBatch, StepOutput
+from nanovllm.engine.call_guard import CallGuard
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from nanovllm.engine.executor import Executor, UniprocExecutor
+from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -22,7 +23,6 @@ from nanovllm.utils.loader import check_tokenizer_files, load_generation_config,
 
 logger = logging.getLogger("nanovllm")
 
-Prompt = str | list[int]
 
 # generation_config.json fields that become the default SamplingParams, as vLLM does
 _GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -45,26 +45,47 @@ def _num_tokens(batch: ScheduledBatch) -> int:
     return sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill else -len(batch.seqs)
 
 
-def as_request_lists(prompts, sampling_params) -> tuple[list, list]:
-    """The call's prompts and one sampling_params entry per prompt (a single value repeated), shapes checked."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
-    if prompts and all(isinstance(p, int) for p in prompts):
-        raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
-    if not isinstance(sampling_params, (list, tuple)):
-        return list(prompts), [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
-                         "pass one SamplingParams or exactly one per prompt")
-    return list(prompts), list(sampling_params)
-
-
 def default_sampling_params(model: str) -> SamplingParams:
-    """SamplingParams from the checkpoint's generation_config.json where it sets them."""
+    """SamplingParams from the checkpoint's generation_config.json where it sets them; a value SamplingParams
+    refuses raises ValueError naming the file."""
     gen = load_generation_config(model)
-    return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
+    try:
+        return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the checkpoint's generation_config.json sets a default nanovllm cannot use: {e}; fix "
+                         "the file, or remove the field") from None
+
+
+def _weight_pairs(weights) -> list[tuple] | str:
+    """update_weights' argument as a checkpoint directory or a list of (name, tensor) pairs, each pair checked
+    (a tensor that holds no data, such as a meta tensor, cannot be copied: refused before anything is written)."""
+    import torch
+    if isinstance(weights, (str, os.PathLike)):
+        weights = os.fspath(weights)
+        if not os.path.isdir(weights):
+            raise ValueError(f"update_weights: {weights!r} is not a checkpoint directory")
+        return weights
+    if isinstance(weights, Mapping):
+        weights = list(weights.items())
+    elif isinstance(weights, Iterable) and not isinstance(weights, torch.Tensor):
+        weights = list(weights)
+    else:
+        raise TypeError(f"update_weights takes (name, tensor) pairs, a state dict or a checkpoint directory, "
+                        f"got {type(weights).__name__}")
+    for i, pair in enumerate(weights):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            got = f"a {type(pair).__name__}" + (f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else "")
+            raise TypeError(f"update_weights: item {i} must be a (name, tensor) pair, got {got}")
+        name, tensor = pair
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights: item {i} must be a (str, torch.Tensor) pair, got "
+                            f"({type(name).__name__}, {type(tensor).__name__})")
+        if tensor.is_meta or tensor.layout != torch.strided:
+            raise ValueError(f"update_weights: {name!r} is a {'meta' if tensor.is_meta else str(tensor.layout)} "
+                             "tensor, which holds no values to copy; send a dense tensor with the weights")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights are floating-point tensors")
+    return weights
 
 
 class _Background:
@@ -109,45 +130,58 @@ class LLMEngine:
             if config.load_format != "dummy":
                 raise
             tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
+        # generation_config.json is read before any process starts: a bad default fails here, with nothing to undo
+        self.default_sampling_params = default_sampling_params(config.model)
         if config.device == "cuda":
             # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its weights and KV cache
             # until the collector runs: collect now, before this one loads weights and sizes its cache from what
             # is free (on an H200 the next LLM(...) found no memory for its cache)
             gc.collect()
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
-        start = perf_counter()
-        try:
-            self.tokenizer = tokenizer.result() if tokenizer is not None else None
-        except (OSError, ValueError) as e:
-            if config.load_format != "dummy":
-                self.executor.shutdown()
-                raise e
-            self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.startup["tokenizer (waited for)"] = perf_counter() - start
-        self.num_kvcache_blocks = self.executor.num_kvcache_blocks
-        self.scheduler = Scheduler(config, self.num_kvcache_blocks)
-        self.default_sampling_params = default_sampling_params(config.model)
-        self._closed = False
-        self._pending = None  # async scheduling: the decode step launched and not yet settled
-        self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
-        self._weights_discarded = False  # sleep(level=2) until update_weights
-        self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
-        self._grammar_threads = grammar_threads(config.device)  # that advance the matchers
         # shuts the executor down when the engine is garbage-collected without exit(): it holds the executor, never
         # the engine, so `del llm` frees the GPU memory for the next LLM (a bound method registered with atexit
         # kept the engine, its weights and its KV cache, alive until exit). Also registered with atexit itself:
         # weakref.finalize's own exit hook may run after multiprocessing's, which would first join (or terminate)
-        # the worker processes that this shutdown stops politely
+        # the worker processes that this shutdown stops politely. Registered at once: whatever fails from here on
+        # shuts the workers down too.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         atexit.register(self._finalizer)
+        try:
+            self._finish_start(tokenizer)
+        except BaseException:
+            self._finalizer()
+            atexit.unregister(self._finalizer)
+            raise
+
+    def _finish_start(self, tokenizer: "_Background | None"):
+        config = self.config
+        start = perf_counter()
+        try:
+            self.tokenizer = tokenizer.result() if tokenizer is not None else None
+        except (OSError, ValueError):
+            if config.load_format != "dummy":
+                raise
+            self.tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
+        self.startup["tokenizer (waited for)"] = perf_counter() - start
+        self.num_kvcache_blocks = self.executor.num_kvcache_blocks
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks)
+        self.requests = RequestChecker(self.vocab_size, config.max_model_len, config.max_num_seqs,
+                                       config.kvcache_block_size, self.num_kvcache_blocks, self.tokenizer, config.model)
+        # One caller at a time: generate, a started stream, step and the weight and memory calls each hold it. A
+        # second caller (another thread, or this one while its stream is open) is refused at once.
+        self._exclusive = CallGuard()
+        self._pending = None  # async scheduling: the decode step launched and not yet settled
+        self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
+        # sleep(level=2) or a weight update that failed while writing: the weights are not a whole set until an
+        # update_weights sends every one (the value says why, for the error)
+        self._weights_discarded: str | None = None
+        self._grammars: GrammarCompiler | None = None  # structured outputs: made with the first constrained request
+        self._grammar_threads = grammar_threads(config.device)  # that advance the matchers
 
     def exit(self):
-        if self._closed:
+        if self._exclusive.closed:
             return
-        self._closed = True
+        self._exclusive.closed = True
         on_cuda = self.config.device == "cuda"
         self._finalizer()  # (once: later calls do nothing)
         atexit.unregister(self._finalizer)
@@ -158,79 +192,90 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     def _check_idle(self, what: str):
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+        """(Under _exclusive.) Refuse `what` while requests are queued or running."""
         if self._pending is not None or not self.scheduler.is_finished():
-            raise RuntimeError(f"{what}() called while requests are running (an unfinished stream, or requests "
-                               "added with add_request); finish or abandon them first")
+            raise RuntimeError(f"{what}() called while requests are running (requests added with add_request and "
+                               "not finished); finish or abandon them first")
 
     # the engine keeps books on these (prefix cache, what is asleep): they go through its own methods
     _ENGINE_RPCS = {"update_weights": "update_weights", "sleep": "sleep", "wake_up": "wake_up",
                     "check_weights": "update_weights"}
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(self, method: str, args: tuple | None = (), kwargs: dict | None = None) -> list:
         """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
         workers); returns each rank's result, in rank order. E.g. `llm.collective_rpc("describe")`."""
-        self._check_idle("collective_rpc")
         if method in self._ENGINE_RPCS:
             raise ValueError(f"collective_rpc({method!r}) would bypass the engine's prefix cache and sleep state; "
                              f"call llm.{self._ENGINE_RPCS[method]}() instead")
-        return self.executor.collective_rpc(method, tuple(args), kwargs)
+        if args is not None and not isinstance(args, (tuple, list)):
+            raise TypeError(f"collective_rpc: args must be a tuple of positional arguments, got {args!r:.60}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"collective_rpc: kwargs must be a dict, got {kwargs!r:.60}")
+        with self._exclusive("collective_rpc"):
+            self._check_idle("collective_rpc")
+            return self.executor.collective_rpc(method, tuple(args or ()), kwargs)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (vLLM's name), e.g. after changing weights some other way."""
-        self._check_idle("reset_prefix_cache")
-        self.scheduler.block_manager.reset_prefix_cache()
+        with self._exclusive("reset_prefix_cache"):
+            self._check_idle("reset_prefix_cache")
+            self.scheduler.block_manager.reset_prefix_cache()
 
     # ---- RL loops: new weights, and the GPU memory back while training -----------------------------
     def update_weights(self, weights) -> None:
         """Load new weights in place: (name, tensor) pairs, a state dict, or a checkpoint directory, with the
-        checkpoint's parameter names (q/k/v and gate/up are fused as when loading; a subset is fine). Every name
-        and shape is checked before any weight changes (ValueError). Refused while requests are running; the
-        prefix cache is emptied, so nothing computed with the old weights is reused. While asleep, the weights
-        are woken up first (after sleep(level=2) this is how they come back, and every weight must be sent)."""
-        self._check_idle("update_weights")
-        if isinstance(weights, (str, os.PathLike)):
-            weights = os.fspath(weights)
-            if not os.path.isdir(weights):
-                raise ValueError(f"update_weights: {weights!r} is not a checkpoint directory")
-        elif isinstance(weights, Mapping):
-            weights = list(weights.items())
-        elif isinstance(weights, Iterable):
-            weights = list(weights)
-        else:
-            raise TypeError(f"update_weights takes (name, tensor) pairs, a state dict or a checkpoint directory, "
-                            f"got {type(weights).__name__}")
-        require_all = self._weights_discarded  # after sleep(level=2) nothing of the old weights is left
-        self.executor.runner.check_weights(weights, require_all)
-        if "weights" in self._asleep:
-            self.wake_up(["weights"])
-        if self.config.tensor_parallel_size > 1 and not isinstance(weights, str):  # they travel pickled
-            weights = [(name, tensor.detach().cpu()) for name, tensor in weights]
-        # first: should the copy fail half-way, nothing cached under the old weights may be served
-        self.scheduler.block_manager.reset_prefix_cache()
-        self.executor.collective_rpc("update_weights", (weights, require_all))
-        self._weights_discarded = False
+        checkpoint's parameter names (q/k/v and gate/up are fused as when loading; a subset is fine). Every pair,
+        name, shape and tensor is checked before any weight changes (ValueError/TypeError, the old weights kept).
+        Should the write itself fail after that (out of memory, a worker lost), generate refuses until an
+        update_weights sends every weight. Refused while requests are running; the prefix cache is emptied, so
+        nothing computed with the old weights is reused. While asleep, the weights are woken up first (after
+        sleep(level=2) this is how they come back, and every weight must be sent)."""
+        with self._exclusive("update_weights"):
+            self._check_idle("update_weights")
+            weights = _weight_pairs(weights)
+            require_all = self._weights_discarded is not None  # nothing, or not all, of the old weights is left
+            self.executor.runner.check_weights(weights, require_all)
+            if "weights" in self._asleep:
+                self._wake_up(["weights"])
+            if self.config.tensor_parallel_size > 1 and not isinstance(weights, str):  # they travel pickled
+                weights = [(name, tensor.detach().cpu()) for name, tensor in weights]
+            # first: should the copy fail half-way, nothing cached under the old weights may be served
+            self.scheduler.block_manager.reset_prefix_cache()
+            try:
+                self.executor.collective_rpc("update_weights", (weights, require_all))
+            except BaseException as e:
+                self._weights_discarded = (f"an update_weights() failed while writing ({type(e).__name__}: {e}), "
+                                           "leaving some weights old and some new")
+                raise
+            self._weights_discarded = None
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory between generate calls (vLLM's levels): 1 frees the KV cache and the CUDA graphs and
         moves the weights to host memory; 2 frees the weights too (send new ones with update_weights). The prefix
         cache is emptied. Until wake_up(), generate raises."""
-        self._check_idle("sleep")
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got {level!r}")
-        if self._asleep:
-            raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call wake_up()")
-        # the books first: should freeing fail half-way, generate still refuses and wake_up restores what went
-        self.scheduler.block_manager.reset_prefix_cache()
-        self._asleep = {"weights", "kv_cache"}
-        self._weights_discarded = level == 2
-        self.executor.collective_rpc("sleep", (level,))
+        with self._exclusive("sleep"):
+            self._check_idle("sleep")
+            if isinstance(level, bool) or level not in (1, 2):
+                raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got "
+                                 f"{level!r}")
+            if self._asleep:
+                raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call "
+                                   "wake_up()")
+            # the books first: should freeing fail half-way, generate still refuses and wake_up restores what went
+            self.scheduler.block_manager.reset_prefix_cache()
+            self._asleep = {"weights", "kv_cache"}
+            if level == 2:
+                self._weights_discarded = "the weights were freed by sleep(level=2)"
+            self.executor.collective_rpc("sleep", (level,))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what sleep() freed: tags "weights" and/or "kv_cache" (default both; the weights must be
         awake before the KV cache, whose CUDA graphs read them)."""
-        self._check_idle("wake_up")
+        with self._exclusive("wake_up"):
+            self._check_idle("wake_up")
+            self._wake_up(tags)
+
+    def _wake_up(self, tags: list[str] | None):
         if isinstance(tags, str):
             raise TypeError(f"tags must be a list, e.g. [{tags!r}]")
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
@@ -248,54 +293,12 @@ class LLMEngine:
         return bool(self._asleep)
 
     # ---- requests -------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as token-id lists")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # the usual case, fast
-            token_ids = list(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
-                                                       for t in prompt):
-            token_ids = [int(t) for t in prompt]  # numpy and torch integers too
-        else:
-            raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        # (The engine refuses at start a cache of fewer than max_model_len tokens, so such a prompt always fits.)
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}: "
-                             "shorten it or raise max_model_len")
-        if len(token_ids) == max_len:  # prompt + output must fit in max_model_len
-            raise ValueError(f"prompt has {len(token_ids)} tokens: max_model_len={max_len} leaves no room for an "
-                             "output token; shorten it or raise max_model_len")
-        return token_ids
-
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
-        bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(sampling_params, name) or 0) > self.vocab_size:
-                raise ValueError(f"{name}={getattr(sampling_params, name)} exceeds the vocabulary size "
-                                 f"{self.vocab_size}")
-        n, cfg = sampling_params.n, self.config
-        if n > cfg.max_num_seqs:
-            raise ValueError(f"n={n} samples run side by side, more than max_num_seqs={cfg.max_num_seqs}: lower n "
-                             "or raise max_num_seqs")
-        token_ids = self._tokenize(prompt)
-        seq = Sequence(token_ids, cfg.kvcache_block_size, sampling_params)
-        seq.forks = [Sequence(token_ids, cfg.kvcache_block_size, sampling_params, i) for i in range(1, n)]
-        needed = seq.num_blocks + self.scheduler.block_manager.fork_blocks(seq)
-        if needed > self.num_kvcache_blocks:
-            raise ValueError(f"the prompt and its n={n} samples need {needed} KV blocks to start, but the cache has "
-                             f"{self.num_kvcache_blocks}: lower n or give the KV cache more room")
+        """A checked request as its first sample (the others in `.forks`), grammar matchers made."""
+        token_ids, sampling_params = self.requests.check(prompt, sampling_params)
+        block_size = self.config.kvcache_block_size
+        seq = Sequence(token_ids, block_size, sampling_params)
+        seq.forks = [Sequence(token_ids, block_size, sampling_params, i) for i in range(1, sampling_params.n)]
         if sampling_params.structured_outputs is not None:  # compiled now: a bad spec raises before anything runs
             compiler = self._grammar_compiler()
             for sample in (seq, *seq.forks):
@@ -314,21 +317,28 @@ class LLMEngine:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} freed by sleep()); call "
                                "wake_up() first")
         if self._weights_discarded:
-            raise RuntimeError("the weights were freed by sleep(level=2); load new ones with update_weights()")
+            raise RuntimeError(f"{self._weights_discarded}; load a full set with update_weights() first")
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         """Queue one request for step(); returns its first sample (with n > 1, the others are in `.forks` until
         its prompt is prefilled, then they run as sequences of their own)."""
-        self._check_awake()
-        seq = self.make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq
+        with self._exclusive("add_request"):
+            self._check_awake()
+            seq = self.make_sequence(prompt, sampling_params)
+            self.scheduler.add(seq)
+            return seq
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """One scheduler step. Returns the sequences that received a token (check `.is_finished`) and
-        the number of tokens computed (positive: prefill tokens, negative: decode sequences).
-        With async_scheduling, a decode step returns the tokens of the step launched before it."""
+        the number of tokens computed (positive: prefill tokens, negative: decode sequences); ([], 0) when
+        nothing is queued. With async_scheduling, a decode step returns the tokens of the step launched before it."""
+        with self._exclusive("step"):
+            if self.is_finished():
+                return [], 0
+            return self._step()
+
+    def _step(self) -> tuple[list[Sequence], int]:
         if self.config.async_scheduling:
             return self._step_async()
         batch = self.scheduler.schedule()
@@ -388,9 +398,9 @@ class LLMEngine:
         for seq, reason in zip(constrained, reasons):
             if reason is None:
                 continue
-            if reason == "error":  # the mask makes this unreachable; should it happen, the answer cannot go on
-                logger.warning("sequence %d: its grammar refused token %d; the request ends (finish_reason 'error')",
-                               seq.seq_id, seq.new_token)
+            if reason == "error":  # its constraint allowed nothing more (fill_bitmasks): the answer cannot go on
+                logger.warning("sequence %d: its constraint allows no continuation of the text so far; the request "
+                               "ends with finish_reason 'error'", seq.seq_id)
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
             seq.finish_reason = reason
@@ -446,29 +456,28 @@ class LLMEngine:
         return out
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
-        """Each prompt's samples (n sequences; the first carries the others as forks until its prefill)."""
-        if self._closed:
+        """Each prompt's samples (n sequences; the first carries the others as forks until its prefill). Every
+        request is checked before any is queued, so a bad one leaves the engine untouched."""
+        if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
         prompts, sampling_params = as_request_lists(
             prompts, self.default_sampling_params if sampling_params is None else sampling_params)
-        if not self.scheduler.is_finished():
-            raise RuntimeError("generate() called while other requests are still running (an unfinished "
-                               "stream, or requests added with add_request)")
-        # Validate every request before queueing any, so a bad one leaves the engine untouched.
         requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params))]
         for samples in requests:
             sp = samples[0].sampling_params
             if (stream or sp.stop_strings) and self.tokenizer is not None:
                 for seq in samples:
                     seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-            elif sp.stop_strings:
-                raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         return requests
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[list[Sequence]]:
-        """Drive the engine until every request is done, yielding the sequences updated by each step.
-        If the caller stops early or a step fails, unfinished sequences are aborted."""
+        """(Under _exclusive.) Drive the engine until every request is done, yielding the sequences updated by each
+        step. If the caller stops early or a step fails, unfinished sequences are aborted."""
+        self._check_awake()  # (a stream may have been made before a sleep())
+        if not self.scheduler.is_finished():
+            raise RuntimeError("generate() called while other requests are still running (requests added with "
+                               "add_request and not finished)")
         seqs = [seq for samples in requests for seq in samples]
         for samples in requests:
             self.scheduler.add(samples[0])
@@ -477,7 +486,7 @@ class LLMEngine:
         try:
             while not self.is_finished():
                 t = perf_counter()
-                updated, num_tokens = self.step()
+                updated, num_tokens = self._step()
                 dt = perf_counter() - t
                 if num_tokens > 0:
                     prefill_tput = num_tokens / dt
@@ -503,14 +512,15 @@ class LLMEngine:
         With stream=True, returns an iterator of per-step deltas instead (see `stream`)."""
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
-        requests = self._make_requests(prompts, sampling_params, stream=False)
-        run = self._run(requests, use_tqdm)
-        try:
-            for _ in run:
-                pass
-        finally:
-            run.close()
-        return [self._output(samples) for samples in requests]
+        with self._exclusive("generate"):
+            requests = self._make_requests(prompts, sampling_params, stream=False)
+            run = self._run(requests, use_tqdm)
+            try:
+                for _ in run:
+                    pass
+            finally:
+                run.close()
+            return [self._output(samples) for samples in requests]
 
     def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                use_tqdm: bool = False) -> Iterator[dict]:
@@ -518,27 +528,44 @@ class LLMEngine:
         position), "sample_index" (which of its n samples), "text" (new text), "token_ids" (new token ids),
         "finished" and "finish_reason" (and "logprobs" for the new tokens when asked). Concatenated, each sample's
         deltas equal its generate() output.
-        Requests are validated here, before the first item is yielded."""
+        Requests are checked here, when stream() is called. The stream holds the engine from its first item until it
+        is exhausted or closed: meanwhile another call (another stream's first item included) raises RuntimeError."""
         requests = self._make_requests(prompts, sampling_params, stream=True)
         return self._stream(requests, use_tqdm)
 
     def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
-        index = {seq.seq_id: i for i, samples in enumerate(requests) for seq in samples}
-        emitted = dict.fromkeys(index, 0)  # characters of text already yielded
+        with self._exclusive("stream"):  # (entered at the first next(): creating a stream holds nothing)
+            yield from self._stream_items(requests, use_tqdm)
+
+    def _stream_items(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
+        deltas = StreamDeltas(self, requests)
         run = self._run(requests, use_tqdm)
         try:
             for updated in run:
-                for seq in updated:
-                    text, stops = self._text(seq), seq.sampling_params.stop_strings
-                    # hold back what could still turn out to be the start of a stop string
-                    end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
-                    start = emitted[seq.seq_id]
-                    emitted[seq.seq_id] = max(start, end)
-                    item = {"index": index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],
-                            "token_ids": [seq.new_token], "finished": seq.is_finished,
-                            "finish_reason": seq.finish_reason}
-                    if seq.sampling_params.logprobs is not None:
-                        item["logprobs"] = seq.logprobs[-1:]
-                    yield item
+                yield from deltas(updated)
         finally:  # a stream closed early aborts its requests now, not whenever the inner generator is collected
             run.close()
+
+
+class StreamDeltas:
+    """What a step adds to each updated sequence, as stream() yields it: the prompt's index, which sample, the new
+    text (holding back what may still become a stop string) and token, whether it finished."""
+
+    def __init__(self, engine: LLMEngine, requests: list[list[Sequence]]):
+        self.engine = engine
+        self.index = {seq.seq_id: i for i, samples in enumerate(requests) for seq in samples}
+        self.emitted = dict.fromkeys(self.index, 0)  # characters of text already yielded
+
+    def __call__(self, updated: list[Sequence]) -> list[dict]:
+        items = []
+        for seq in updated:
+            text, stops = self.engine._text(seq), seq.sampling_params.stop_strings
+            end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
+            start = self.emitted[seq.seq_id]
+            self.emitted[seq.seq_id] = max(start, end)
+            item = {"index": self.index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],
+                    "token_ids": [seq.new_token], "finished": seq.is_finished, "finish_reason": seq.finish_reason}
+            if seq.sampling_params.logprobs is not None:
+                item["logprobs"] = seq.logprobs[-1:]
+            items.append(item)
+        return items

@@ -59,11 +59,15 @@ def load_tokenizer(model: str):
     path = resolve_checkpoint(model)
     from nanovllm.utils.gguf import recorded_tokenizer_class
     name = recorded_tokenizer_class(path)
-    if name is not None:
-        import transformers
-        return getattr(transformers, name).from_pretrained(path)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        if name is not None:
+            import transformers
+            return getattr(transformers, name).from_pretrained(path)
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except ValueError as e:  # (a broken tokenizer.json surfaces as a bare JSONDecodeError)
+        raise ValueError(f"the tokenizer files in {path!r} cannot be loaded ({type(e).__name__}: {e}); fix or "
+                         "replace them") from e
 
 
 def load_generation_config(model: str) -> dict:
@@ -72,7 +76,13 @@ def load_generation_config(model: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}; fix or remove it")
+    return config
 
 
 def load_eos_token_ids(model: str, hf_config) -> list[int]:

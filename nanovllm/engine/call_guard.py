@@ -1,0 +1,29 @@
+"""One caller at a time. An engine's state (its queues, its KV blocks, a data-parallel call's messages) belongs to
+the call that is running; a second caller meanwhile, from another thread or from the same thread while its stream is
+open, would interleave with it. The second caller is refused at once: waiting could deadlock a thread on its own
+stream."""
+import threading
+from contextlib import contextmanager
+
+
+class CallGuard:
+    """`with guard("generate"):` holds the engine for one call; RuntimeError when another call holds it or the engine
+    has been shut down."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @contextmanager
+    def __call__(self, what: str):
+        if self.closed:
+            raise RuntimeError(f"{what}(): this LLM has been shut down")
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"{what}() called while another call is using this engine (another thread, or a "
+                               "stream that has started and is not finished or closed). One LLM serves one caller "
+                               "at a time: finish or close the stream first, or give each thread its own LLM, or use "
+                               "data_parallel_size for replicas behind one LLM")
+        try:
+            yield
+        finally:
+            self._lock.release()

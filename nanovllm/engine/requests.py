@@ -1,0 +1,108 @@
+"""What a request must be before it is queued: prompts tokenized and checked, SamplingParams checked against the
+model. One engine and the data-parallel front check with the same code, so a bad request is refused before any
+replica works on a call."""
+from collections.abc import Callable
+from copy import copy
+from dataclasses import dataclass
+from numbers import Integral
+
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def as_request_lists(prompts, sampling_params) -> tuple[list, list]:
+    """The call's prompts and one sampling_params entry per prompt (a single value repeated), shapes checked."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
+    if not isinstance(sampling_params, (list, tuple)):
+        return list(prompts), [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                         "pass one SamplingParams or exactly one per prompt")
+    return list(prompts), list(sampling_params)
+
+
+def fork_copies(num_tokens: int, n: int, block_size: int) -> int:
+    """Blocks the n - 1 forks of a prompt take when its prefill ends: a copy each of a partly filled last block."""
+    return n - 1 if num_tokens % block_size else 0
+
+
+@dataclass
+class RequestChecker:
+    """Checks requests against one model and cache. `compile_grammar` (optional) compiles a structured-outputs
+    spec, raising ValueError for one that cannot be enforced."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_kvcache_blocks: int
+    tokenizer: object | None
+    model: str
+    compile_grammar: Callable | None = None
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model!r} has no tokenizer: pass prompts as token-id lists")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # the usual case, fast
+            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy and torch integers too
+        else:
+            raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        # (The engine refuses at start a cache of fewer than max_model_len tokens, so such a prompt always fits.)
+        max_len = self.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}: "
+                             "shorten it or raise max_model_len")
+        if len(token_ids) == max_len:  # prompt + output must fit in max_model_len
+            raise ValueError(f"prompt has {len(token_ids)} tokens: max_model_len={max_len} leaves no room for an "
+                             "output token; shorten it or raise max_model_len")
+        return token_ids
+
+    def check_params(self, sampling_params: SamplingParams) -> SamplingParams:
+        """A checked copy of the request's SamplingParams: fields set after construction are checked here too, and
+        the caller may change its object afterwards (an RL loop's `sp.n = k`) without touching this request."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+        sp = copy(sampling_params)
+        sp.verify()
+        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(sp, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name}={getattr(sp, name)} exceeds the vocabulary size {self.vocab_size}")
+        if sp.n > self.max_num_seqs:
+            raise ValueError(f"n={sp.n} samples run side by side, more than max_num_seqs={self.max_num_seqs}: "
+                             "lower n or raise max_num_seqs")
+        if sp.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        return sp
+
+    def check(self, prompt: Prompt, sampling_params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and a checked copy of its SamplingParams; ValueError/TypeError saying what to
+        change for anything the engine would refuse or could not serve."""
+        sp = self.check_params(sampling_params)
+        token_ids = self.tokenize(prompt)
+        blocks = -(-len(token_ids) // self.block_size)
+        needed = blocks + fork_copies(len(token_ids), sp.n, self.block_size)
+        if needed > self.num_kvcache_blocks:
+            raise ValueError(f"the prompt and its n={sp.n} samples need {needed} KV blocks to start, but the cache "
+                             f"has {self.num_kvcache_blocks}: lower n or give the KV cache more room")
+        if sp.structured_outputs is not None and self.compile_grammar is not None:
+            self.compile_grammar(sp.structured_outputs)  # a spec that cannot be enforced raises now
+        return token_ids, sp
