@@ -3,28 +3,39 @@ spawned process with an ordinary LLM on its own tensor_parallel_size GPUs (or it
 
 Requests are split across replicas by the hash of their first KV block (prompts that share a prefix land together,
 so the prefix cache still serves them) and balanced by tokens (prompt + n * max_tokens); results come back in input
-order, as one engine would return them. Each replica talks to this process over a pipe: it validates its share
-first and says so, so a bad request raises here before any replica generates, and the replicas stay usable.
+order, as one engine would return them. Every request is checked here, with the engine's own checks, before any
+replica sees the call: a bad one raises and no replica works.
+
+The protocol, over one pipe per replica: every message carries the id of its call. A call ends on every replica
+before the next one starts: when it fails, is interrupted (KeyboardInterrupt) or is abandoned (a stream closed or
+dropped), the replicas still on it are told to cancel, and their messages for it are read and dropped until each
+says it is done. So no answer of one call can reach another.
 """
 import atexit
 import logging
 import os
+import signal
+import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing import connection, get_context
 
 from nanovllm.chat import ChatMixin
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import as_request_lists
+from nanovllm.engine.call_guard import CallGuard
+from nanovllm.engine.llm_engine import StreamDeltas, default_sampling_params
+from nanovllm.engine.requests import RequestChecker, as_request_lists
 from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_outputs import require_xgrammar
 from nanovllm.utils.process import leave_now
 
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
+FINAL = ("result", "done", "value", "raise")  # a replica's last message of a call
 
 
 class ReplicaError(RuntimeError):
@@ -45,11 +56,33 @@ def route(tokens: list[int], keys: list, num_replicas: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+@contextmanager
+def whole_messages():
+    """A KeyboardInterrupt (SIGINT) that comes while a message is read or written is raised after it, not half-way:
+    a pipe left with half a message would hand the next call garbage. (Only the main thread receives SIGINT.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+
+
+# ---- the replica's side ---------------------------------------------------------------------------------
 def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connection, gpus: list[int] | None,
                  threads: int, log_level: int):
-    """One replica: build an LLM, then serve ("generate" | "stream", indices, prompts, params) until ("exit",)."""
+    """One replica: build an engine, then serve (call id, kind, payload) messages until an "exit"."""
     if gpus is not None:  # before CUDA is initialized: this process sees only its GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
     import torch
 
     from nanovllm.engine.llm_engine import LLMEngine
@@ -58,28 +91,13 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     llm = None
     try:
         llm = LLMEngine(model, **kwargs)
-        conn.send(("ready", llm.num_kvcache_blocks))
-        while True:
-            message = conn.recv()
-            if message[0] == "exit":
-                break
-            if message[0] in ("go", "cancel"):  # a stream that ended before the parent's word arrived
-                continue
-            kind, indices, prompts, params = message
-            try:
-                if kind == "generate":
-                    start = time.perf_counter()
-                    outs = llm.generate(prompts, params, use_tqdm=False)
-                    conn.send(("result", outs, time.perf_counter() - start))
-                else:
-                    _serve_stream(llm, conn, indices, prompts, params)
-            except (ValueError, TypeError) as e:  # a bad request: the engine is unharmed
-                conn.send(("raise", e))
+        conn.send((0, "ready", llm.num_kvcache_blocks))
+        Replica(llm, conn).serve()
     except (EOFError, BrokenPipeError):
         pass  # the parent is gone
     except BaseException as e:
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+            conn.send((0, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
                        e if isinstance(e, (ValueError, TypeError)) else None))
         except Exception:
             pass
@@ -90,44 +108,99 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     leave_now(0)  # the engine is shut down: no interpreter teardown (utils/process.py)
 
 
-def _serve_stream(llm, conn: connection.Connection, indices: list[int], prompts, params):
-    items = llm.stream(prompts, params)  # validates now
-    conn.send(("accepted",))
-    if conn.recv()[0] != "go":  # another replica refused its share
-        items.close()
-        return
-    try:
-        for item in items:
-            item["index"] = indices[item["index"]]
-            conn.send(("item", item))
-            if conn.poll() and conn.recv()[0] == "cancel":  # the caller stopped reading
-                break
-    finally:
-        items.close()  # aborts what is unfinished
-    conn.send(("done",))
+class Replica:
+    """Serves one call at a time. Between steps it looks at its pipe: a "cancel" of the running call, or any message
+    of another call (the parent only sends one after ending this one), ends it there."""
+
+    def __init__(self, llm, conn: connection.Connection):
+        self.llm, self.conn, self.inbox = llm, conn, deque()
+
+    def serve(self):
+        while True:
+            call, kind, payload = self.inbox.popleft() if self.inbox else self.conn.recv()
+            if kind == "exit":
+                return
+            if kind != "cancel":  # (a cancel of a call this replica has already finished: nothing to do)
+                self.run_call(call, kind, payload)
+
+    def ended(self, call: int) -> bool:
+        while self.conn.poll():
+            message = self.conn.recv()
+            if message[1] == "cancel" and message[0] != call:
+                continue
+            if message[1] != "cancel":
+                self.inbox.append(message)  # the next call, or exit: served after this one is wound up
+            return True
+        return False
+
+    def run_call(self, call: int, kind: str, payload):
+        llm, send = self.llm, self.conn.send
+        try:
+            if kind == "rpc":
+                method, args, kwargs = payload
+                try:
+                    value = getattr(llm, method)(*args, **kwargs)
+                except RuntimeError as e:  # refused (asleep, requests running): the engine is unharmed
+                    send((call, "raise", e))
+                    return
+                send((call, "value", value))
+                return
+            prompts, params = payload
+            start = time.perf_counter()
+            with llm._exclusive(kind):
+                requests = llm._make_requests(prompts, params, stream=kind == "stream")
+                deltas = StreamDeltas(llm, requests) if kind == "stream" else None
+                run = llm._run(requests, use_tqdm=False)
+                try:
+                    for updated in run:
+                        if deltas is not None and updated:
+                            send((call, "items", deltas(updated)))
+                        if self.ended(call):
+                            send((call, "done"))
+                            return
+                finally:
+                    run.close()  # aborts what is unfinished
+            if kind == "generate":
+                send((call, "result", [llm._output(samples) for samples in requests], time.perf_counter() - start))
+            else:
+                send((call, "done"))
+        except (ValueError, TypeError) as e:  # a bad request or argument: the engine is unharmed
+            send((call, "raise", e))
 
 
 def _stop_replicas(conns: list, processes: list):
-    """Ask every replica to exit (each shuts its own engine down), then make sure none is left."""
+    """Ask every replica to exit (each shuts its own engine down), reading whatever they still send meanwhile (a
+    replica blocked on a full pipe could not exit), then make sure none is left."""
     for conn, process in zip(conns, processes):
         if process.is_alive():
             try:
-                conn.send(("exit",))
+                conn.send((-1, "cancel", None))  # (whatever it serves: a cancel of another call ends it too)
+                conn.send((-1, "exit", None))
             except (OSError, BrokenPipeError):
                 pass
     deadline = time.monotonic() + EXIT_TIMEOUT_S
+    alive = [i for i, p in enumerate(processes) if p.is_alive()]
+    while alive and time.monotonic() < deadline:
+        waiting = [conns[i] for i in alive if not conns[i].closed] + [processes[i].sentinel for i in alive]
+        for ready in connection.wait(waiting, max(0.0, deadline - time.monotonic())):
+            if isinstance(ready, connection.Connection):
+                try:
+                    ready.recv()
+                except (EOFError, OSError):
+                    ready.close()
+        alive = [i for i in alive if processes[i].is_alive()]
     for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.terminate()
             process.join(5.0)
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
     for conn in conns:
         conn.close()
 
 
+# ---- this process's side -----------------------------------------------------------------------------
 class DataParallelLLM(ChatMixin):
     """N replicas behind one LLM-shaped object: generate, stream, chat, exit."""
 
@@ -144,13 +217,18 @@ class DataParallelLLM(ChatMixin):
             ids = [int(x) for x in visible.split(",")] if visible else list(range(n * tp))
             gpus = [ids[r * tp : (r + 1) * tp] for r in range(n)]
         from nanovllm.utils.loader import load_tokenizer
+        self.default_sampling_params = default_sampling_params(config.model)  # (a bad file raises here)
         try:
             self.tokenizer = load_tokenizer(config.model)
         except (OSError, ValueError):
             if config.load_format != "dummy":
                 raise
             self.tokenizer = None
-        self.num_replicas, self.failure, self._closed = n, None, False
+        self.num_replicas, self.failure = n, None
+        self._exclusive = CallGuard()
+        self._calls = 0  # the last call id
+        self._open: dict[int, int] = {}  # replica -> the call it is still on (until its final message is read)
+        self._grammars = None  # structured outputs: a compiler, to refuse a bad spec here
         self.last_stats: list[dict] = []  # per replica, of the last generate: requests, output tokens, seconds
         replica_kwargs = {k: v for k, v in kwargs.items() if k != "data_parallel_size"}
         threads = max(1, (os.cpu_count() or 1) // n)
@@ -158,7 +236,7 @@ class DataParallelLLM(ChatMixin):
         self.processes, self.conns = [], []
         # stops the replicas when this object is garbage-collected without exit() (it holds the lists, not self:
         # `del llm` frees the GPUs), and at interpreter exit before multiprocessing's own hook joins them (atexit
-        # runs last-registered first; weakref.finalize's exit hook may have been registered before that one)
+        # runs last-registered first; weakref.finalize's own exit hook may have been registered before that one)
         self._finalizer = weakref.finalize(self, _stop_replicas, self.conns, self.processes)
         atexit.register(self._finalizer)
         try:
@@ -171,35 +249,44 @@ class DataParallelLLM(ChatMixin):
                 child_end.close()
                 self.processes.append(process)
                 self.conns.append(parent_end)
-            self.num_kvcache_blocks = [self._receive(r, "ready")[1] for r in range(n)]
+            self.num_kvcache_blocks = [self._ready(r) for r in range(n)]
         except BaseException:
             self.exit()
             raise
+        self.requests = RequestChecker(config.hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
+                                       config.kvcache_block_size, min(self.num_kvcache_blocks), self.tokenizer,
+                                       config.model, self._compile_grammar)
         logger.info("data parallel: %d replicas, %s", n, f"GPUs {gpus}" if gpus else f"{threads} CPU threads each")
 
     # ---- talking to replicas ----------------------------------------------------------------------
-    def _receive(self, rank: int, *expected: str) -> tuple:
-        """The next message of replica `rank`; a death or a crash report becomes ReplicaError (and a shutdown)."""
+    def _read(self, rank: int, timeout: float | None = None) -> tuple | None:
+        """The next message of replica `rank` (None after `timeout` seconds); a death or a crash report becomes
+        ReplicaError (and a shutdown)."""
         conn, process = self.conns[rank], self.processes[rank]
-        while True:
-            ready = connection.wait([conn, process.sentinel])
-            if conn in ready:
-                try:
+        ready = connection.wait([conn, process.sentinel], timeout)
+        if not ready:
+            return None
+        if conn in ready:
+            try:
+                with whole_messages():
                     message = conn.recv()
-                except (EOFError, OSError):
-                    message = None
-                if message is not None and message[0] != "error":
-                    if expected and message[0] not in expected + ("raise",):
-                        raise ReplicaError(f"replica {rank} sent {message[0]!r}, expected {expected}")
-                    return message
-                if message is not None:
-                    self._fail(f"data-parallel replica {rank} raised:\n{message[1]}", message[2])
-                process.join(5.0)  # the pipe closed: the replica is exiting
-            elif not (process.sentinel in ready and not conn.poll()):
-                continue
-            process.join(1.0)
-            hint = SPAWN_HINT if "ready" in expected else ""  # it died before it could start
-            self._fail(f"data-parallel replica {rank} exited unexpectedly (exit code {process.exitcode}){hint}")
+            except (EOFError, OSError):
+                message = None
+            if message is not None and message[1] != "error":
+                return message
+            if message is not None:
+                self._fail(f"data-parallel replica {rank} raised:\n{message[2]}", message[3])
+            process.join(5.0)  # the pipe closed: the replica is exiting
+        process.join(1.0)
+        hint = SPAWN_HINT if not hasattr(self, "num_kvcache_blocks") else ""  # it died before it could start
+        self._fail(f"data-parallel replica {rank} exited unexpectedly (exit code {process.exitcode}){hint}")
+
+    def _ready(self, rank: int) -> int:
+        return self._read(rank)[2]
+
+    def _send(self, rank: int, message: tuple):
+        with whole_messages():
+            self.conns[rank].send(message)
 
     def _fail(self, text: str, user_error: BaseException | None = None):
         self.failure = text
@@ -209,95 +296,127 @@ class DataParallelLLM(ChatMixin):
             raise user_error
         raise ReplicaError(f"the engine was shut down after a failure: {text}")
 
-    def _check(self):
+    def _check_alive(self):
         if self.failure is not None:
             raise ReplicaError(f"the engine was shut down after a failure: {self.failure}")
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
 
-    def _dispatch(self, kind: str, prompts, sampling_params) -> list[list[int]]:
-        """Validate the call's shape, route the requests, send each replica its share; returns the shares."""
-        self._check()
-        # None stays None: each replica applies the checkpoint's defaults (generation_config.json), as one engine does
-        prompts, params = as_request_lists(prompts, sampling_params)
-        if any(isinstance(sp, SamplingParams) and sp.structured_outputs is not None for sp in params):
-            require_xgrammar()  # here: a replica takes only bad requests (ValueError, TypeError) in its stride
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p for p in prompts]
+    def _start(self, kind: str, payloads: dict[int, object]) -> int:
+        """Send a new call to the replicas in `payloads`; returns its id. Any earlier call is ended first."""
+        self._end_calls()
+        self._calls += 1
+        for rank, payload in payloads.items():
+            self._open[rank] = self._calls
+            self._send(rank, (self._calls, kind, payload))
+        return self._calls
+
+    def _messages(self, call: int) -> Iterator[tuple[int, tuple]]:
+        """(rank, message) of `call` as they come, until every replica on it has sent its final message; messages of
+        ended calls are dropped."""
+        while any(c == call for c in self._open.values()):
+            ranks = [r for r, c in self._open.items() if c == call]
+            connection.wait([self.conns[r] for r in ranks] + [self.processes[r].sentinel for r in ranks])
+            for rank in ranks:
+                message = self._read(rank, timeout=0)
+                if message is None or message[0] != call:
+                    continue
+                if message[1] in FINAL:
+                    del self._open[rank]
+                yield rank, message
+
+    def _end_calls(self):
+        """Cancel what replicas are still on, and read their messages until each says it is done."""
+        if not self._open:
+            return
+        for rank, call in self._open.items():
+            self._send(rank, (call, "cancel", None))
+        while self._open:
+            for rank, call in list(self._open.items()):
+                message = self._read(rank, timeout=0.05)
+                if message is not None and message[0] == call and message[1] in FINAL:
+                    del self._open[rank]
+
+    def _compile_grammar(self, spec):
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer, and {self.config.model!r} has none")
+            from nanovllm.structured_outputs import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size,
+                                             self.config.eos_token_ids)
+        return self._grammars.compile(spec)
+
+    def _check_requests(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams]]:
+        """Every request checked as one engine checks it (ValueError/TypeError before any replica works)."""
+        self._check_alive()
+        if self._exclusive.closed:
+            raise RuntimeError("this LLM has been shut down")
+        prompts, params = as_request_lists(
+            prompts, self.default_sampling_params if sampling_params is None else sampling_params)
+        return [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
+
+    def _dispatch(self, kind: str, checked: list[tuple[list[int], SamplingParams]]) -> tuple[int, list[list[int]]]:
+        """Route checked requests, send each replica its share; returns the call's id and the shares."""
+        self._check_alive()
         block = self.config.kvcache_block_size
         keys, tokens = [], []
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            prefix = tuple(p[:block]) if isinstance(p, (list, tuple)) and len(p) > block else ("alone", i)
-            keys.append(hash(prefix))
-            sp = sp if isinstance(sp, SamplingParams) else SamplingParams()
-            n, max_tokens = sp.n, sp.max_tokens
-            tokens.append((len(p) if isinstance(p, (list, tuple)) else 0) + n * max_tokens)
+        for i, (ids, sp) in enumerate(checked):
+            keys.append(hash(tuple(ids[:block]) if len(ids) > block else ("alone", i)))
+            tokens.append(len(ids) + sp.n * sp.max_tokens)
         shares = route(tokens, keys, self.num_replicas)
-        self._prompts = ids
-        for rank, share in enumerate(shares):
-            self.conns[rank].send((kind, share, [ids[i] for i in share],
-                                   None if sampling_params is None else [params[i] for i in share]))
-        return shares
+        payloads = {rank: ([checked[i][0] for i in share], [checked[i][1] for i in share])
+                    for rank, share in enumerate(shares) if share}
+        return self._start(kind, payloads), shares
 
     # ---- the LLM interface --------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, stream: bool = False):
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, stream: bool = False):
         """As LLM.generate: one dict per prompt, in input order (or, with stream=True, an iterator of deltas)."""
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
-        shares = self._dispatch("generate", prompts, sampling_params)
-        results, error, stats = [None] * len(self._prompts), None, []
-        for rank, share in enumerate(shares):  # every replica answers, so the pipes stay in step
-            message = self._receive(rank, "result")
-            if message[0] == "raise":
-                error = error or message[1]
-                continue
-            _, outs, seconds = message
-            for i, out in zip(share, outs):
-                results[i] = out
-            stats.append({"replica": rank, "requests": len(share), "seconds": seconds,
-                          "output_tokens": sum(len(o["token_ids"]) for out in outs for o in out["outputs"])})
-        if error is not None:
-            raise error
-        self.last_stats = stats
-        return results
+        self._check_alive()
+        with self._exclusive("generate"):
+            call, shares = self._dispatch("generate", self._check_requests(prompts, sampling_params))
+            try:
+                results, stats = [None] * sum(map(len, shares)), []
+                for rank, message in self._messages(call):
+                    if message[1] == "raise":
+                        raise message[2]
+                    _, _, outs, seconds = message
+                    for i, out in zip(shares[rank], outs):
+                        results[i] = out
+                    stats.append({"replica": rank, "requests": len(shares[rank]), "seconds": seconds,
+                                  "output_tokens": sum(len(o["token_ids"]) for out in outs for o in out["outputs"])})
+            finally:
+                self._end_calls()  # (nothing left to end unless this call failed or was interrupted)
+            self.last_stats = sorted(stats, key=lambda s: s["replica"])
+            return results
 
-    def stream(self, prompts, sampling_params=None, use_tqdm: bool = False) -> Iterator[dict]:
-        """As LLM.stream: deltas from every replica as they come, "index" being the prompt's position in the call."""
-        self._dispatch("stream", prompts, sampling_params)
-        answers = [self._receive(rank, "accepted") for rank in range(self.num_replicas)]
-        errors = [a[1] for a in answers if a[0] == "raise"]
-        for rank, answer in enumerate(answers):
-            if answer[0] == "accepted":
-                self.conns[rank].send(("cancel",) if errors else ("go",))
-        if errors:
-            raise errors[0]
-        return self._items()
+    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+               use_tqdm: bool = False) -> Iterator[dict]:
+        """As LLM.stream: deltas from every replica as they come, "index" being the prompt's position in the call.
+        Requests are checked here; the stream holds the engine from its first item until exhausted or closed."""
+        return self._stream(self._check_requests(prompts, sampling_params))
 
-    def _items(self) -> Iterator[dict]:
-        running = set(range(self.num_replicas))
-        try:
-            while running:
-                ready = connection.wait([self.conns[r] for r in running] +
-                                        [self.processes[r].sentinel for r in running])
-                for rank in list(running):
-                    if self.conns[rank] in ready or self.processes[rank].sentinel in ready:
-                        message = self._receive(rank, "item", "done")
-                        if message[0] == "done":
-                            running.discard(rank)
-                        else:
-                            yield message[1]
-        finally:
-            if running and self.failure is None and not self._closed:  # the caller stopped early
-                for rank in running:
-                    self.conns[rank].send(("cancel",))
-                for rank in running:
-                    while self._receive(rank, "item", "done")[0] != "done":
-                        pass
+    def _stream(self, checked: list[tuple[list[int], SamplingParams]]) -> Iterator[dict]:
+        with self._exclusive("stream"):
+            call, shares = self._dispatch("stream", checked)
+            try:
+                for rank, message in self._messages(call):
+                    if message[1] == "raise":
+                        raise message[2]
+                    if message[1] == "items":
+                        for item in message[2]:
+                            item["index"] = shares[rank][item["index"]]
+                            yield item
+            finally:
+                if self.failure is None and not self._exclusive.closed:
+                    self._end_calls()
 
     def exit(self):
         """Stop every replica (each shuts its own engine down) and leave no process behind. Idempotent."""
-        if self._closed:
+        if self._exclusive.closed:
             return
-        self._closed = True
+        self._exclusive.closed = True
+        self._open.clear()
         self._finalizer()
         atexit.unregister(self._finalizer)
 

@@ -5,6 +5,8 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
+import time
 import weakref
 
 import pytest
@@ -202,3 +204,114 @@ def test_a_script_without_a_main_guard_is_told_so(chat_model, tmp_path, option):
                           env={**os.environ, "PYTHONPATH": root})
     assert done.returncode != 0
     assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+
+
+# ---- faults: every answer belongs to its own prompt, nothing hangs ------------------------------------------
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture
+def deadline():
+    """Fails a test that hangs (SIGALRM after 240 s) instead of blocking the suite."""
+    def hung(signum, frame):
+        raise TimeoutError("the data-parallel engine hung")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _expected(single, prompts) -> list[list[int]]:
+    return [o["token_ids"] for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_a_bad_request_is_refused_before_any_replica_works(dp, single, deadline):
+    rng = random.Random(5)
+    good = [[rng.randrange(400) for _ in range(40)] for _ in range(6)]  # 2 full blocks each: cached once computed
+    for bad, error in [((x for x in [1, 2]), TypeError), ([1, 999], ValueError)]:
+        with pytest.raises(error):
+            dp.generate(good + [bad], GREEDY, use_tqdm=False)
+        with pytest.raises(error):
+            dp.stream(good + [bad], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        sp = SamplingParams(temperature=0)
+        sp.max_tokens = 0  # changed after construction: checked at submission
+        dp.generate(good, sp, use_tqdm=False)
+    outs = dp.generate(good, GREEDY, use_tqdm=False)
+    assert [o["num_cached_tokens"] for o in outs] == [0] * 6  # no replica had computed any of them
+    assert [o["token_ids"] for o in outs] == _expected(single, good)
+
+
+def test_an_open_stream_holds_the_replicas(dp, single, deadline):
+    prompts, other = _prompts(7, 4), _prompts(8, 3)
+    expected = _expected(single, prompts)
+    stream = dp.stream(prompts, GREEDY)
+    got: dict[int, list[int]] = {}
+    item = next(stream)
+    got.setdefault(item["index"], []).extend(item["token_ids"])
+    with pytest.raises(RuntimeError, match="another call is using this engine"):
+        dp.generate(other, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="another call is using this engine"):
+        next(dp.stream(other, GREEDY))
+    for item in stream:  # the open stream lost nothing
+        got.setdefault(item["index"], []).extend(item["token_ids"])
+    assert [got[i] for i in range(len(prompts))] == expected
+    assert [o["token_ids"] for o in dp.generate(other, GREEDY, use_tqdm=False)] == _expected(single, other)
+
+
+def _interrupt_after(seconds: float):
+    import _thread
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return timer
+
+
+def test_random_faults_between_calls(dp, single, deadline):
+    """A random mix of interrupted generates, abandoned and half-read streams and bad prompts; after each, a call's
+    answers are those of its own prompts (every call has prompts of its own, so a stale answer cannot pass)."""
+    rng = random.Random(0)
+    for step in range(24):
+        prompts = _prompts(1000 + step, rng.randint(1, 6))
+        fault = rng.choice(["interrupt", "dropped stream", "half-read stream", "bad prompt", "none"])
+        if fault == "interrupt":
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            try:
+                timer = _interrupt_after(rng.uniform(0.0, 0.3))
+                dp.generate(_prompts(2000 + step, 6), long, use_tqdm=False)
+                timer.cancel()
+                timer.join()
+                time.sleep(0.05)  # (an interrupt that came late lands here)
+            except KeyboardInterrupt:
+                pass
+        elif fault == "dropped stream":
+            dp.stream(_prompts(3000 + step, 4), GREEDY)
+        elif fault == "half-read stream":
+            stream = dp.stream(_prompts(4000 + step, 4), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+            for _ in range(rng.randint(1, 5)):
+                next(stream)
+            if rng.random() < 0.5:
+                stream.close()
+            del stream
+        elif fault == "bad prompt":
+            with pytest.raises((TypeError, ValueError)):
+                dp.stream([[1, 2], (t for t in [3])], GREEDY) if rng.random() < 0.5 else \
+                    dp.generate([[1, 2], [5, 10**6]], GREEDY, use_tqdm=False)
+        if rng.random() < 0.5:
+            outs = dp.generate(prompts, GREEDY, use_tqdm=False)
+            assert [o["token_ids"] for o in outs] == _expected(single, prompts), (step, fault)
+            assert [o["prompt_token_ids"] for o in outs] == prompts
+        else:
+            got: dict[int, list[int]] = {}
+            for item in dp.stream(prompts, GREEDY):
+                got.setdefault(item["index"], []).extend(item["token_ids"])
+            assert [got[i] for i in range(len(prompts))] == _expected(single, prompts), (step, fault)
+
+
+def test_exit_mid_stream_is_prompt(chat_model):
+    llm = LLM(chat_model, data_parallel_size=2, **OPTIONS)
+    stream = llm.stream(_prompts(9, 6), SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
+    next(stream)
+    start = time.monotonic()
+    llm.exit()
+    assert time.monotonic() - start < 10 and all(p.exitcode == 0 for p in llm.processes)
