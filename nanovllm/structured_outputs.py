@@ -11,11 +11,14 @@ import functools
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
+
+from nanovllm.json_schema import check_schema
 
 INSTALL_HINT = 'structured outputs need xgrammar: pip install "nanovllm[structured]"'
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -60,18 +63,23 @@ class StructuredOutputsParams:
                              f"{' and '.join(given) if given else 'none'}")
         if self.json is not None:
             self.json = _schema(self.json)
+            check_schema(self.json)  # a keyword xgrammar would not enforce raises, naming it
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
             if value == "":
                 raise ValueError(f"{name} must not be empty")
+            if value is not None:
+                _check_text(name, value)
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
                 raise TypeError(f"choice must be a list of str, got {self.choice!r:.80}")
             if not self.choice:
                 raise ValueError("choice must list at least one string")
             self.choice = list(self.choice)
+            for i, option in enumerate(self.choice):
+                _check_text(f"choice[{i}]", option)
 
     def _given(self) -> list[str]:
         return [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
@@ -88,6 +96,15 @@ class StructuredOutputsParams:
         if self.kind in ("json", "choice"):
             value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         return self.kind, value, self.disable_any_whitespace
+
+
+def _check_text(name: str, text: str):
+    """Text an answer can be made of: UTF-8 encodable (a lone surrogate such as "\\ud800" is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"structured_outputs.{name} holds {text[e.start:e.end]!r}, a lone surrogate that no text "
+                         "can contain; pass a valid Unicode string") from None
 
 
 def _schema(value) -> dict:
@@ -136,6 +153,7 @@ class SequenceGrammar:
 
     matcher: object  # xgrammar.GrammarMatcher
     vocab_size: int
+    stop_token: int = 0  # what a row whose grammar allows nothing more samples (see fill_bitmasks)
 
 
 class GrammarCompiler:
@@ -154,25 +172,39 @@ class GrammarCompiler:
         self.vocab_size = min(vocab_size, max([tokenizer_size] + [i + 1 for i in stop_token_ids]))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (the cache is ours, keyed by the spec)
+        self.stop_token = stop_token_ids[0] if stop_token_ids else 0
         self.compiled: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # stream() checks requests outside the engine's lock: the cache is shared
         self.num_compiled = 0
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar; ValueError naming the problem when xgrammar refuses the spec."""
         key = params.key
-        if key in self.compiled:
-            self.compiled.move_to_end(key)
-            return self.compiled[key]
+        with self._lock:
+            if key in self.compiled:
+                self.compiled.move_to_end(key)
+                return self.compiled[key]
         try:
             compiled = self._compile(params)
         except RuntimeError as e:  # xgrammar reports every bad schema, regex or grammar as a RuntimeError
             message = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {message}") from None
-        self.num_compiled += 1
-        self.compiled[key] = compiled
-        if len(self.compiled) > self.MAX_CACHED:
-            self.compiled.popitem(last=False)
+        if not self._allows_a_start(compiled):
+            raise ValueError(f"no text satisfies structured_outputs.{params.kind} (its grammar allows no first token, "
+                             "not even the end of the answer); fix the constraint")
+        with self._lock:
+            self.num_compiled += 1
+            self.compiled[key] = compiled
+            if len(self.compiled) > self.MAX_CACHED:
+                self.compiled.popitem(last=False)
         return compiled
+
+    def _allows_a_start(self, compiled) -> bool:
+        """Whether a fresh matcher allows any token (an empty language, such as regex "[^\\s\\S]", allows none)."""
+        matcher = self.xgr.GrammarMatcher(compiled)
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def _compile(self, params: StructuredOutputsParams):
         compiler, kind = self.compiler, params.kind
@@ -191,7 +223,7 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> SequenceGrammar:
         """A fresh matcher for one sequence; it allows the stop tokens only where the grammar may end, and
         terminates when it accepts one."""
-        return SequenceGrammar(self.xgr.GrammarMatcher(self.compile(params)), self.vocab_size)
+        return SequenceGrammar(self.xgr.GrammarMatcher(self.compile(params)), self.vocab_size, self.stop_token)
 
 
 # ---- the per-step host work: many matchers at once ----------------------------------------------------------
@@ -254,10 +286,13 @@ def accept_tokens(matchers: list, tokens: list[int], threads: int) -> list[str |
     return reasons
 
 
-def fill_bitmasks(matchers: list, bitmask, threads: int) -> bool:
+def fill_bitmasks(matchers: list, bitmask, threads: int, stop_token: int = 0) -> bool:
     """Row i of `bitmask` (int32 [len(matchers), words] on the host) <- the tokens matchers[i] allows next, on
-    several threads; every token where matchers[i] is None or has terminated (a row nobody reads). Returns
-    whether any row was filled from a matcher."""
+    several threads; every token where matchers[i] is None or has terminated (a row nobody reads). A matcher that
+    allows nothing (its constraint reached a point no text continues, e.g. regex "a[^\\s\\S]" after "a") gets
+    `stop_token` alone, so its row samples a real token, which the matcher then refuses: the request ends with
+    finish_reason "error" (engine) instead of sampling from all -inf. Returns whether any row was filled from a
+    matcher."""
     xgr = require_xgrammar()
     live, dead = [], []
     for i, matcher in enumerate(matchers):
@@ -269,4 +304,10 @@ def fill_bitmasks(matchers: list, bitmask, threads: int) -> bool:
         indices = [live[j] for j in rows]
         xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask([matchers[i] for i in indices], bitmask, indices)
     in_chunks(fill, len(live), threads)
+    if live:
+        empty = [live[j] for j in (~bitmask[live].any(dim=1)).nonzero().flatten().tolist()]
+        if empty:
+            word, bit = divmod(stop_token, 32)
+            bitmask[empty] = 0
+            bitmask[empty, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # (as an int32)
     return bool(live)

@@ -99,19 +99,19 @@ def test_sampling_params_take_a_dict_and_refuse_min_tokens():
 
 
 def test_ray_rows_with_structured_outputs(qwen3_tied):
-    """A Ray Data batch as an actor gets it (no Ray needed): a row's sampling_params is a struct with None for absent
-    fields and numpy arrays for lists; its structured_outputs a struct inside it."""
-    np = pytest.importorskip("numpy")
+    """A Ray Data batch as an actor gets it (no Ray needed): an Arrow table whose sampling_params struct has None
+    for the fields a row lacks; its structured_outputs a struct inside it."""
+    pa = pytest.importorskip("pyarrow")
     from nanovllm.ray import NanoVLLMActor
     actor = NanoVLLMActor(qwen3_tied, {"kvcache_block_size": 16}, {"temperature": 0, "max_tokens": 16})
-    rows = [{"max_tokens": 12.0, "temperature": float("nan"),
-             "structured_outputs": {"choice": np.array(["x1", "y2"]), "json": None, "json_object": None}},
+    rows = [{"max_tokens": 12, "temperature": None,
+             "structured_outputs": {"choice": ["x1", "y2"], "json": None, "json_object": None}},
             {"max_tokens": None, "temperature": 1.0,
              "structured_outputs": {"choice": None, "json": json.dumps(SCHEMA), "json_object": None}},
             None]
-    batch = {"prompt": np.array(["Hello world", "Once upon a time", "Numbers: 1 2 3"], dtype=object),
-             "sampling_params": np.array(rows, dtype=object)}
-    out = actor(batch)
+    batch = pa.Table.from_pylist([{"prompt": p, "sampling_params": r}
+                                  for p, r in zip(["Hello world", "Once upon a time", "Numbers: 1 2 3"], rows)])
+    out = actor(batch).to_pydict()
     assert out["generated_text"][0] in ("x1", "y2") and out["finish_reason"][0] == "stop"
     if out["finish_reason"][1] == "stop":
         assert set(json.loads(out["generated_text"][1])) == set(SCHEMA["properties"])
@@ -565,3 +565,107 @@ def test_bundled_model_choice_and_regex(bundled):
                          _sp(StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"), max_tokens=16)], use_tqdm=False)
     assert outs[0]["text"] in choice and outs[0]["finish_reason"] == "stop"
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", outs[1]["text"]) and outs[1]["finish_reason"] == "stop"
+
+
+# ---- what xgrammar cannot enforce is refused, never dropped -----------------------------------------------
+INT, STR = {"type": "integer"}, {"type": "string"}
+ARR, OBJ = {"type": "array", "items": INT}, {"type": "object", "properties": {"a": INT, "b": STR}}
+# (schema, a string it must accept, one that breaks only the keyword under test)
+REFUSED = {
+    "not": ({**INT, "not": {"enum": [30]}}, "31", "30"),
+    "if": ({**OBJ, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '{"a":1,"b":"x"}', '{"a":1}'),
+    "dependentRequired": ({**OBJ, "dependentRequired": {"a": ["b"]}}, '{"a":1,"b":"x"}', '{"a":1}'),
+    "dependentSchemas": ({**OBJ, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a":1,"b":"x"}', '{"a":1}'),
+    "dependencies": ({**OBJ, "dependencies": {"a": ["b"]}}, '{"a":1,"b":"x"}', '{"a":1}'),
+    "uniqueItems": ({**ARR, "uniqueItems": True}, "[1,2]", "[1,1]"),
+    "contains": ({**ARR, "contains": {"const": 3}}, "[3]", "[1]"),
+    "minContains": ({**ARR, "contains": {"const": 3}, "minContains": 2}, "[3,3]", "[3,1]"),
+    "multipleOf": ({"type": "number", "multipleOf": 0.5}, "1.5", "1.3"),
+    "pattern": ({**STR, "pattern": "^(?!a)[a-z]+$"}, '"ba"', '"ab"'),
+    "oneOf": ({"oneOf": [{**INT, "minimum": 0}, {**INT, "maximum": 5}]}, "9", "3"),
+    "allOf": ({"allOf": [{**INT, "minimum": 3}, {**INT, "maximum": 5}]}, "4", "6"),
+    "anyOf": ({**INT, "anyOf": [{**INT, "minimum": 5}, STR]}, "6", '"a"'),
+    "$ref": ({"$defs": {"x": INT}, "$ref": "#/$defs/x", "minimum": 3}, "3", "2"),
+    "minimum": ({"minimum": 3}, "3", "2"),
+    "minLength": ({"minLength": 3}, '"abc"', '"a"'),
+    "enum": ({**INT, "enum": [1, "a"]}, "1", '"a"'),
+    "const": ({**INT, "const": 5, "maximum": 9}, "5", None),
+    "required": ({"type": "object", "properties": {"a": INT}, "required": ["z"], "additionalProperties": True},
+                 '{"a":1,"z":1}', '{"a":1}'),
+    "maxLength": ({**STR, "pattern": "^a+$", "maxLength": 3}, '"aa"', '"aaaa"'),
+    "format": ({**STR, "format": "date", "pattern": "^2020"}, '"2020-01-02"', '"2021-01-02"'),
+}
+# (schema, accepted, refused): what xgrammar enforces, kept
+ALLOWED = [
+    ({**INT, "minimum": 3, "exclusiveMaximum": 30, "multipleOf": 3}, "27", "30"),
+    ({"type": ["integer", "null"], "minimum": 3}, "null", "2"),
+    ({**STR, "minLength": 2, "maxLength": 3}, '"aa"', '"aaaa"'),
+    ({**STR, "pattern": "^a+$"}, '"aa"', '"ab"'),
+    ({**STR, "format": "date"}, '"2020-01-02"', '"ab"'),
+    ({**ARR, "minItems": 2, "maxItems": 3}, "[1,2]", "[1]"),
+    ({**OBJ, "required": ["a"], "additionalProperties": False}, '{"a":1}', '{"b":"x"}'),
+    ({"type": "object", "patternProperties": {"^x": INT}, "minProperties": 1}, '{"x":1}', "{}"),
+    ({"anyOf": [INT, STR], "title": "t", "description": "d", "default": 1}, '"a"', "true"),
+    ({"oneOf": [INT, STR]}, "1", "true"),  # branches of other types: never both
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "x"}, "v": INT}, "required": ["k", "v"]},
+                {"type": "object", "properties": {"k": {"const": "y"}, "v": STR}, "required": ["k", "v"]}]},
+     '{"k":"y","v":"a"}', '{"k":"y","v":1}'),  # a discriminator
+    ({"allOf": [{**INT, "minimum": 3}]}, "3", "2"),
+    ({"$defs": {"x": INT}, "$ref": "#/$defs/x", "description": "d"}, "1", '"a"'),
+    ({**STR, "enum": ["a", "b"]}, '"a"', '"c"'),
+]
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+    return _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+
+
+@pytest.mark.parametrize("keyword", sorted(REFUSED))
+def test_a_schema_keyword_xgrammar_drops_is_refused(keyword):
+    schema, good, bad = REFUSED[keyword]
+    # xgrammar lets the bad one through: refusing is needed (const: it would let 5 through were the maximum 3)
+    assert _accepts(schema, good) and (bad is None or _accepts(schema, bad))
+    with pytest.raises(ValueError, match=f"structured_outputs.json: .*{re.escape(keyword)}.* \\(at #"):
+        StructuredOutputsParams(json=schema)
+    nested = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    with pytest.raises(ValueError, match="at #/properties/x"):
+        StructuredOutputsParams(json=nested)
+
+
+@pytest.mark.parametrize("schema, good, bad", ALLOWED)
+def test_what_xgrammar_enforces_is_taken(schema, good, bad):
+    StructuredOutputsParams(json=schema)
+    assert _accepts(schema, good) and not _accepts(schema, bad)
+
+
+def test_the_age_example_is_refused(llm):
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "not": {"enum": [25, 30, 35, 40]}}}}
+    with pytest.raises(ValueError, match="'not'"):
+        llm.generate(["age?"], _sp(StructuredOutputsParams(json=schema)), use_tqdm=False)
+    with pytest.raises(ValueError, match="'not'"):
+        llm.generate(["age?"], SamplingParams(structured_outputs={"json": schema}), use_tqdm=False)
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(regex=r"[^\s\STR]"),
+                                  StructuredOutputsParams(grammar="root ::= root")])
+def test_a_constraint_no_text_satisfies_is_refused(llm, spec):
+    with pytest.raises(ValueError, match="no text satisfies"):
+        llm.generate(["Hello"], _sp(spec), use_tqdm=False)
+    assert llm.generate(["Hello"], _sp(StructuredOutputsParams(regex="ab")), use_tqdm=False)[0]["text"] == "ab"
+
+
+def test_a_constraint_that_dead_ends_finishes_with_error_not_nan(llm):
+    """regex "a[^\\s\\STR]": after "a" nothing can follow, not even the end. The request ends with finish_reason
+    "error"; its logprobs stay finite."""
+    import math
+    out = llm.generate(["Hello"], _sp(StructuredOutputsParams(regex=r"a[^\s\STR]"), logprobs=2), use_tqdm=False)[0]
+    assert out["finish_reason"] == "error" and out["text"] == "a"
+    assert not any(math.isnan(v) for d in out["logprobs"] for v in d.values())  # (-inf: a token the mask forbids)
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+def test_a_lone_surrogate_is_refused():
+    for kwargs in ({"choice": ["ok", "\ud800"]}, {"regex": "a\udfff"}, {"grammar": 'root ::= "\ud800"'}):
+        with pytest.raises(ValueError, match="lone surrogate"):
+            StructuredOutputsParams(**kwargs)

@@ -169,7 +169,7 @@ class GrammarProcessor(LogitsProcessor):
         matchers = [None if seq.is_finished else seq.grammar.matcher for seq in state.seqs]
         vocab = state.seqs[0].grammar.vocab_size  # the tokenizer's, the same for every sequence of an engine
         host = torch.empty((len(matchers), (vocab + 31) // 32), dtype=torch.int32, pin_memory=logits.is_cuda)
-        if not fill_bitmasks(matchers, host, self.threads):
+        if not fill_bitmasks(matchers, host, self.threads, state.seqs[0].grammar.stop_token):
             return logits
         bitmask = host.to(logits.device, non_blocking=True)
         indices = None
