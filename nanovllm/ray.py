@@ -26,73 +26,61 @@ def _require_ray():
         raise ImportError(INSTALL_HINT) from e
 
 
-# Arrow stores a column of dicts as a struct: a field some rows lack comes back as None or NaN, ints as floats when
-# nulls are present, lists as numpy arrays.
-_INT_FIELDS = {f.name for f in fields(SamplingParams) if f.init and "int" in str(f.type) and "float" not in str(f.type)}
-
-
-def _fields(values: dict) -> dict:
-    """A struct's fields as plain values, without those this row lacks (None, or NaN: NaN != NaN)."""
-    plain = {k: _plain(k, v) for k, v in values.items()}
-    return {k: v for k, v in plain.items() if v is not None and v == v}
-
-
-def _plain(name: str, value):
-    value = value.tolist() if hasattr(value, "tolist") else value
-    if isinstance(value, dict):  # a struct inside the struct: structured_outputs
-        return _fields(value)
-    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return value
-
-
 def _sampling_params(defaults: dict, overrides) -> SamplingParams:
     if overrides is None:
         return SamplingParams(**defaults)
     if not isinstance(overrides, dict):
-        raise TypeError(f"a row's sampling_params must be a dict of SamplingParams fields, got {overrides!r:.80}")
-    return SamplingParams(**{**defaults, **_fields(overrides)})
+        raise TypeError(f"sampling_params must be a dict of SamplingParams fields, got {overrides!r:.80}")
+    # a struct column holds every field any row sets: the fields this row lacks come as None
+    return SamplingParams(**{**defaults, **_present_fields(overrides)})
+
+
+def _present_fields(values: dict) -> dict:
+    return {k: _present_fields(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
 
 
 class NanoVLLMActor:
-    """One Ray Data actor: one LLM, built once, reused for every batch it is given."""
+    """One Ray Data actor: one LLM, built once, reused for every batch it is given. Batches come as Arrow tables
+    (exact 64-bit ints: a numpy batch turns an int column with gaps into float64, which rounds a seed such as
+    2**60 + 1); every row is checked, with its position and id in the error, before any is generated."""
 
     def __init__(self, model: str, engine_kwargs: dict, sampling_params: dict):
         from nanovllm.llm import LLM
         self.llm = LLM(model, **engine_kwargs)
         self.defaults = sampling_params
 
-    def __call__(self, batch: dict) -> dict:
-        """batch: columns as Ray Data gives them (numpy arrays); adds the OUTPUT_COLUMNS."""
-        size = len(next(iter(batch.values())))
-        prompts = []
-        for i in range(size):
-            messages = batch["messages"][i] if "messages" in batch else None
-            if _present(messages):
-                conversation = [dict(m) for m in _as_list(messages)]
-                prompts.append(self.llm._render_chat(conversation, {}))
+    def _request(self, i: int, row: dict) -> tuple:
+        where = f"row {i} of its batch" + (f" (id={row['id']!r:.40})" if "id" in row else "")
+        try:
+            messages = row.get("messages")
+            if messages is not None:
+                from nanovllm.chat import _conversations
+                prompt = self.llm._render_chat(_conversations([messages])[0], {})
+            elif row.get("prompt") is not None:
+                prompt = row["prompt"]
             else:
-                prompt = batch["prompt"][i]
-                prompts.append(prompt if isinstance(prompt, str) else [int(t) for t in _as_list(prompt)])
-        overrides = batch.get("sampling_params")
-        params = [_sampling_params(self.defaults, overrides[i] if overrides is not None and _present(overrides[i])
-                                   else None) for i in range(size)]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        batch = dict(batch)
-        batch["generated_text"] = [o["text"] for o in outs]
-        batch["generated_token_ids"] = [o["token_ids"] for o in outs]
-        batch["finish_reason"] = [o["finish_reason"] for o in outs]
-        batch["num_cached_tokens"] = [o["num_cached_tokens"] for o in outs]
+                raise ValueError("it has neither a prompt nor messages")
+            params = _sampling_params(self.defaults, row.get("sampling_params"))
+            self.llm.requests.check(prompt, params)  # the engine's own checks, here with the row named
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        return prompt, params
+
+    def __call__(self, batch):
+        """batch: a pyarrow Table as Ray Data gives it (batch_format="pyarrow"); returns it with the
+        OUTPUT_COLUMNS added."""
+        import pyarrow as pa
+        requests = [self._request(i, row) for i, row in enumerate(batch.to_pylist())]
+        outs = self.llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        columns = {"generated_text": ([o["text"] for o in outs], pa.string()),
+                   "generated_token_ids": ([o["token_ids"] for o in outs], pa.list_(pa.int64())),
+                   "finish_reason": ([o["finish_reason"] for o in outs], pa.string()),
+                   "num_cached_tokens": ([o["num_cached_tokens"] for o in outs], pa.int64())}
+        for name, (values, kind) in columns.items():
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(name, pa.array(values, type=kind))
         return batch
-
-
-def _present(value) -> bool:
-    """False for a missing cell: None, or the NaN Arrow gives a row that lacks the column's field."""
-    return value is not None and not (isinstance(value, float) and value != value)
-
-
-def _as_list(value) -> list:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
 class Processor:
@@ -111,7 +99,7 @@ class Processor:
         return dataset.map_batches(
             self.actor_class, fn_constructor_kwargs=dict(model=self.model, engine_kwargs=self.engine_kwargs,
                                                       sampling_params=self.sampling_params),
-            batch_size=self.batch_size, concurrency=self.concurrency, num_gpus=self.num_gpus,
+            batch_size=self.batch_size, batch_format="pyarrow", concurrency=self.concurrency, num_gpus=self.num_gpus,
             max_restarts=self.max_retries, max_task_retries=self.max_retries)
 
 

@@ -94,3 +94,38 @@ def test_an_actor_that_dies_mid_run_loses_and_repeats_no_row(ray_cluster, model)
     assert sorted(r["id"] for r in rows) == list(range(12))
     expected = _expected(model)
     assert {r["id"]: list(r["generated_token_ids"]) for r in rows} == {i: expected[i] for i in range(12)}
+
+
+@needs_ray
+def test_rows_keep_64_bit_seeds_and_bad_rows_are_named(ray_cluster, model):
+    """An int field some rows lack would reach a numpy batch as float64 (2**60 + 1 -> 2**60): batches are Arrow
+    tables, so the seed arrives exact. A bad row fails its batch with an error naming it."""
+    import ray
+    seed = 2**60 + 1
+    sampled = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    rows = [{"id": 0, "prompt": "Hello", "sampling_params": {"seed": seed}},
+            {"id": 1, "prompt": "Hello", "sampling_params": {"temperature": 0.5}}]
+    proc = build_processor(model, engine_kwargs=ENGINE, sampling_params=sampled, batch_size=2)
+    out = {r["id"]: list(r["generated_token_ids"]) for r in proc(ray.data.from_items(rows)).take_all()}
+    with LLM(model, **ENGINE) as llm:
+        exact, rounded = (llm.generate(["Hello"], SamplingParams(**sampled, seed=s), use_tqdm=False)[0]["token_ids"]
+                          for s in (seed, 2**60))
+    assert exact != rounded and out[0] == exact
+    for bad_rows, match in [([{"id": 7, "prompt": [1.9, 2.9]}], "row 0 of its batch \\(id=7\\): a prompt must be"),
+                            ([{"id": 8, "prompt": "a"}, {"id": 9, "prompt": None}], "id=9\\): it has neither"),
+                            ([{"id": 5, "messages": [{"role": "user"}]}], "id=5\\): message 0 of conversation 0"),
+                            ([{"id": 6, "prompt": "a", "sampling_params": {"top_p": 2.0}}], "id=6\\): top_p")]:
+        with pytest.raises(Exception, match=match):
+            proc(ray.data.from_items(bad_rows)).take_all()
+
+
+@needs_ray
+def test_max_retries_reaches_ray(ray_cluster, model):
+    """max_retries=0: an actor that dies fails the run (the option is Ray's restart and retry count, not ignored)."""
+    import ray
+    os.remove(ray_cluster) if os.path.exists(ray_cluster) else None
+    proc = build_processor(model, engine_kwargs=ENGINE, sampling_params=GREEDY, batch_size=2, max_retries=0)
+    proc.actor_class = DyingOnceActor
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        proc(ray.data.from_items(_rows())).take_all()
+    assert os.path.exists(ray_cluster)  # it did die, and nothing brought it back
