@@ -61,13 +61,16 @@ def _within_bounds(q: dict) -> bool:
 def test_quantize_round_trip():
     x = torch.randn(50, 3, 64) * torch.exp(3 * torch.randn(50, 3, 1))  # rows from tiny to huge
     x[0, 0] = 0  # an all-zero row stays zeros
-    for dtype, step in ((torch.float8_e4m3fn, 2 ** -3), (torch.float8_e5m2, 2 ** -2)):
+    for dtype, fmax, step in ((torch.float8_e4m3fn, 448.0, 2 ** -3), (torch.float8_e5m2, 57344.0, 2 ** -2)):
         values, scale = fp8.quantize(x, dtype)
         assert values.dtype == dtype and scale.shape == (50, 3)
+        # the scale, from the format's documented largest value: each row's largest magnitude maps onto it
+        expected = (x.abs().amax(-1) / fmax).clamp(min=fp8.MIN_SCALE)
+        assert torch.equal(scale, expected)
         back = fp8.dequantize(values, scale)
         assert torch.equal(back[0, 0], torch.zeros(64))
         # one rounding: at most half a step of each value, or of the smallest normal step of the row's scale
-        bound = step / 2 * x.abs() + scale.unsqueeze(-1) * 2.0 ** -6
+        bound = step / 2 * x.abs() + expected.unsqueeze(-1) * 2.0 ** -6
         assert ((back - x).abs() <= bound).all()
 
 

@@ -148,14 +148,8 @@ def test_repetition_penalty_matches_transformers(llm, qwen3_tied):
     assert out != hf_greedy(qwen3_tied, prompt, N)  # the penalty changed something
 
 
-@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 0.7), (-0.5, 1.0)])
-def test_presence_and_frequency_penalties(llm, qwen3_tied, presence, frequency):
-    """Greedy with OpenAI-style penalties on generated tokens: logit - presence*[seen] - frequency*count."""
-    prompt = _prompts(7, [10])[0]
-    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, presence_penalty=presence,
-                        frequency_penalty=frequency)
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
-    model, ids, generated = hf_model(qwen3_tied), list(prompt), []
+def _penalized_greedy(path: str, prompt: list[int], presence: float, frequency: float) -> list[int]:
+    model, ids, generated = hf_model(path), list(prompt), []
     with torch.no_grad():
         for _ in range(N):
             logits = model(torch.tensor([ids])).logits[0, -1].float()
@@ -163,7 +157,21 @@ def test_presence_and_frequency_penalties(llm, qwen3_tied, presence, frequency):
             logits = logits - presence * (counts > 0) - frequency * counts
             generated.append(int(logits.argmax()))
             ids.append(generated[-1])
-    assert out == generated
+    return generated
+
+
+# each case repeats tokens (negative values encourage it), so presence (flat) and frequency (per count) differ
+@pytest.mark.parametrize("presence, frequency", [(-1.5, 0.0), (0.0, -0.7), (-0.5, 1.0), (1.0, -0.5)])
+def test_presence_and_frequency_penalties(llm, qwen3_tied, presence, frequency):
+    """Greedy with OpenAI-style penalties on generated tokens: logit - presence*[seen] - frequency*count."""
+    prompt = _prompts(7, [10])[0]
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, presence_penalty=presence,
+                        frequency_penalty=frequency)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
+    assert out == _penalized_greedy(qwen3_tied, prompt, presence, frequency)
+    # the case tells the two apart: with their roles swapped the tokens differ
+    swapped = _penalized_greedy(qwen3_tied, prompt, frequency, presence) if presence != frequency else None
+    assert swapped is None or out != swapped
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
