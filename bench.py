@@ -130,7 +130,7 @@ def run_hf(args, prompts, max_tokens) -> float:
         config = AutoConfig.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     else:  # (a .gguf file is read from nanovllm's converted copy)
-        from nanovllm.utils.loader import resolve_checkpoint
+        from nanovllm.checkpoint.loader import resolve_checkpoint
         model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(args.model), dtype=dtype,
                                                      attn_implementation="sdpa")
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
@@ -186,7 +186,7 @@ def main():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.model is None and not torch.cuda.is_available():
-        from nanovllm.utils.bundled import default_model_path
+        from nanovllm.checkpoint.bundled import default_model_path
         args.model = default_model_path()
         print(f"no CUDA: the bundled SmolLM2-135M and a CPU-sized workload ({args.num_seqs} sequences; the GPU "
               "workload would take hours here); --model and the size options change it")

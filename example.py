@@ -8,7 +8,7 @@ import argparse
 from time import perf_counter
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.bundled import default_model_path
+from nanovllm.checkpoint.bundled import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?",

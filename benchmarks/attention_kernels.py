@@ -41,11 +41,11 @@ import triton  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
+from nanovllm.kernels.decode import _decode_config, decode_attention, decode_splits  # noqa: E402
 from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttention  # noqa: E402
-from nanovllm.layers.kernels.decode import _decode_config, decode_attention, decode_splits  # noqa: E402
-from nanovllm.utils.context import Context  # noqa: E402
+from nanovllm.layers.context import Context  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
 DTYPE = torch.float32 if ARGS.cpu else torch.bfloat16

@@ -17,8 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.checkpoint.bundled import default_model_path  # noqa: E402
 from nanovllm.layers import cpu_weights  # noqa: E402
-from nanovllm.utils.bundled import default_model_path  # noqa: E402
 
 
 def weight_updates(repeat: int) -> list[str]:

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 
 from nanovllm.layers import cpu_weights  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
+from nanovllm.layers.context import Context  # noqa: E402
 from nanovllm.layers.linear import linear  # noqa: E402
-from nanovllm.utils.context import Context  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

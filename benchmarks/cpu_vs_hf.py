@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.bundled import default_model_path  # noqa: E402
-from nanovllm.utils.loader import resolve_checkpoint  # noqa: E402
+from nanovllm.checkpoint.bundled import default_model_path  # noqa: E402
+from nanovllm.checkpoint.loader import resolve_checkpoint  # noqa: E402
 
 
 def run_ours(llm, prompts, max_tokens) -> float:

@@ -21,10 +21,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from nanovllm.config import KV_CACHE_DTYPES  # noqa: E402
+from nanovllm.kernels import decode  # noqa: E402
 from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major  # noqa: E402
 from nanovllm.layers.attention.torch_ref import TorchAttention  # noqa: E402
-from nanovllm.layers.kernels import decode  # noqa: E402
-from nanovllm.utils.context import Context  # noqa: E402
+from nanovllm.layers.context import Context  # noqa: E402
 
 HBM_GBPS = 4170.0
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_MODEL_LEN = 16, 8, 128, 256, 4096

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from benchmarks.structured import SCHEMA  # noqa: E402
-from nanovllm.structured_outputs import (  # noqa: E402
+from nanovllm.sampling.structured_outputs import (  # noqa: E402
     GrammarCompiler,
     StructuredOutputsParams,
     accept_tokens,

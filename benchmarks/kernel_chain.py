@@ -4,7 +4,7 @@ count for Qwen3-0.6B), each reading KB kilobytes over its programs and depending
     python benchmarks/kernel_chain.py
 
 Three ways: plain; under programmatic dependent launch (PDL) waiting first thing; under PDL with the reads before
-the wait, as the one-row linear kernel loads W (layers/kernels/gemv.py, pdl.py). Reads rotate over 8 copies, past
+the wait, as the one-row linear kernel loads W (kernels/gemv.py, pdl.py). Reads rotate over 8 copies, past
 L2. A kernel that cannot read before its wait pays the plain column whatever its work; docs/benchmarks.md has
 what this says of batch-16 decode.
 """

@@ -15,7 +15,7 @@ from random import Random
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.bundled import default_model_path  # noqa: E402
+from nanovllm.checkpoint.bundled import default_model_path  # noqa: E402
 
 TOPICS = ["the ocean", "Paris", "photosynthesis", "a cat", "the moon", "rain", "music", "bread", "a library",
           "winter", "volcanoes", "chess", "the internet", "bees", "a river", "mountains"]

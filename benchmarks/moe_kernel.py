@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from nanovllm.layers.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, moe_tiles  # noqa: E402
+from nanovllm.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, moe_tiles  # noqa: E402
 from nanovllm.layers.moe import fused_experts_torch, route  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"

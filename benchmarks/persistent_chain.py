@@ -1,7 +1,7 @@
 """Is a persistent decode kernel worth building? The linear chain of a batch-16 decode step (28 layers of qkv, o,
 gate_up, SiLU-and-mul, down; Qwen3-0.6B shapes; no norms, rotary or attention) two ways, us a layer:
 
-- separate: the engine's kernels (layers/kernels/gemv.py's 2-16-row kernel, the SiLU kernel) in one CUDA graph,
+- separate: the engine's kernels (kernels/gemv.py's 2-16-row kernel, the SiLU kernel) in one CUDA graph,
   under programmatic dependent launch as in the engine;
 - persistent: one Gluon kernel (Hopper), one program per SM, a grid-wide barrier between phases. Each program
   streams every weight tile it will use, in order, through a ring of shared-memory slots by TMA, ahead of the
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanovllm.layers.kernels import decode_tma  # noqa: E402  (the Gluon names, resolved across Triton versions)
+from nanovllm.kernels.hopper import decode_tma  # noqa: E402  (the Gluon names, resolved across Triton versions)
 
 ROWS, TN = 16, 32  # batch rows; weight rows (output columns) of one tile (its K: --tile-k)
 # phase: (weight rows N, K read, column tiles, K-splits); Qwen3-0.6B: hidden 1,024, q 2,048 + k/v 1,024, inter 3,072
@@ -266,8 +266,8 @@ def persistent(ws: list[torch.Tensor], x: torch.Tensor, layers: int, stages: int
 
 
 def separate(ws: list[torch.Tensor], x: torch.Tensor, layers: int):
-    from nanovllm.layers.kernels.activation import silu_and_mul
-    from nanovllm.layers.kernels.gemv import gemv
+    from nanovllm.kernels.activation import silu_and_mul
+    from nanovllm.kernels.gemv import gemv
     per_layer = [[w[i * n:(i + 1) * n] for w, (n, _, _, _) in zip(ws, PHASES)] for i in range(layers)]
     xb = x.to(torch.bfloat16)
 

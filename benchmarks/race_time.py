@@ -1,4 +1,4 @@
-"""The sampler's race kernel (layers/kernels/race.py) drawing its own noise, timed alone: us per call as CUDA-graph
+"""The sampler's race kernel (kernels/race.py) drawing its own noise, timed alone: us per call as CUDA-graph
 replays, bf16 logits over Qwen3's vocabulary, temperature 0.6, at the batch sizes a decode step sees.
 
     python benchmarks/race_time.py [--batches 1 16 64 256] [--against OTHER_RACE.py ...]
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.timing import time_ms  # noqa: E402
-from nanovllm.layers.kernels import race as current  # noqa: E402
+from nanovllm.kernels import race as current  # noqa: E402
 
 VOCAB = 151936
 

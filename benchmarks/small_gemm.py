@@ -1,4 +1,4 @@
-"""Linear layers at decode batch sizes: cuBLAS (F.linear) against the Triton kernel of layers/kernels/gemv.py, on
+"""Linear layers at decode batch sizes: cuBLAS (F.linear) against the Triton kernel of kernels/gemv.py, on
 the Qwen3-0.6B shapes (or Qwen3-8B's). CUDA-graph replays of one call per weight copy (copies rotated past the 50
 MB L2, as 28 layers are), GB/s over the weight bytes, against the H200's 4,170 GB/s copy bandwidth.
 
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from nanovllm.layers.kernels import gemv  # noqa: E402
+from nanovllm.kernels import gemv  # noqa: E402
 
 HBM_GBPS = 4170.0
 # (name, N, K) of Qwen3-0.6B: qkv, o, gate_up, down, lm_head
@@ -114,7 +114,7 @@ def main():
 
 
 def chain(rows_list):
-    from nanovllm.layers.kernels import activation, norm
+    from nanovllm.kernels import activation, norm
     layers, hidden, inter, vocab = 28, 1024, 3072, 151936
 
     def weight(n, k):

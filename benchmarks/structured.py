@@ -37,8 +37,8 @@ CPU_SIZES = dict(num_seqs=16, max_tokens=64, min_input=16, max_input=64)
 
 
 def bundled_tokenizer():
-    from nanovllm.utils.bundled import default_model_path
-    from nanovllm.utils.loader import load_tokenizer
+    from nanovllm.checkpoint.bundled import default_model_path
+    from nanovllm.checkpoint.loader import load_tokenizer
     return load_tokenizer(default_model_path())
 
 
@@ -118,7 +118,7 @@ def main():
         kwargs["load_format"] = "dummy"
         print("Qwen3-0.6B shape, random weights, SmolLM2's tokenizer")
     elif args.model is None:
-        from nanovllm.utils.bundled import default_model_path
+        from nanovllm.checkpoint.bundled import default_model_path
         model = default_model_path()
         print(f"no CUDA: the bundled SmolLM2-135M, {args.num_seqs} requests (--num-seqs and --model change it)")
     else:

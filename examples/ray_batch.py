@@ -32,7 +32,7 @@ def main():
     args = p.parse_args()
     import ray
 
-    from nanovllm.utils.bundled import default_model_path
+    from nanovllm.checkpoint.bundled import default_model_path
     model = os.path.abspath(args.model) if args.model else default_model_path()
     processor = build_processor(model, engine_kwargs={"max_model_len": 2048},
                                 sampling_params={"temperature": args.temperature, "max_tokens": args.max_tokens},

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.bundled import default_model_path  # noqa: E402
-from nanovllm.utils.loader import resolve_checkpoint  # noqa: E402
+from nanovllm.checkpoint.bundled import default_model_path  # noqa: E402
+from nanovllm.checkpoint.loader import resolve_checkpoint  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?", "Say hello."]
 

@@ -2,8 +2,8 @@
 import logging
 
 from nanovllm.llm import LLM
+from nanovllm.sampling.structured_outputs import StructuredOutputsParams
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_outputs import StructuredOutputsParams
 
 logging.getLogger("nanovllm").addHandler(logging.NullHandler())
 

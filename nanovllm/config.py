@@ -21,7 +21,7 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # > 1: that many engine replicas in spawned processes (nanovllm/data_parallel.py)
+    data_parallel_size: int = 1  # > 1: that many engine replicas in spawned processes (distributed/data_parallel.py)
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: carve from free memory; > 0: exactly this many
@@ -95,7 +95,7 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
-        from nanovllm.utils.loader import load_eos_token_ids, load_hf_config
+        from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config
         self.hf_config = load_hf_config(self.model)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos:

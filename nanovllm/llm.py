@@ -6,12 +6,12 @@ class LLM(ChatMixin, LLMEngine):
     """The user-facing entry point: `LLM(model_path, **options).generate(prompts, sampling_params)`.
 
     With data_parallel_size=N > 1 it returns a DataParallelLLM instead: N replicas of this engine in spawned
-    processes behind the same generate / stream / chat / exit (nanovllm/data_parallel.py)."""
+    processes behind the same generate / stream / chat / exit (nanovllm/distributed/data_parallel.py)."""
 
     def __new__(cls, model=None, **kwargs):
         dp = kwargs.get("data_parallel_size", 1)
         if isinstance(dp, int) and not isinstance(dp, bool) and dp > 1:
-            from nanovllm.data_parallel import DataParallelLLM
+            from nanovllm.distributed.data_parallel import DataParallelLLM
             return DataParallelLLM(model, **kwargs)
         return super().__new__(cls)
 

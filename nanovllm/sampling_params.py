@@ -1,7 +1,7 @@
 import math
 from dataclasses import dataclass, field
 
-from nanovllm.structured_outputs import StructuredOutputsParams, as_structured_outputs
+from nanovllm.sampling.structured_outputs import StructuredOutputsParams, as_structured_outputs
 
 
 def _is_int(x) -> bool:

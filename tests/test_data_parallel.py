@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.data_parallel import DataParallelLLM, ReplicaError, route
+from nanovllm.distributed.data_parallel import DataParallelLLM, ReplicaError, route
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
 
@@ -166,8 +166,8 @@ def test_exit_leaves_no_process(chat_model):
 
 
 def test_replicas_leave_nothing_for_the_resource_tracker(chat_model):
-    # a replica leaves without its interpreter's teardown (utils/process.leave_now) but after multiprocessing's own
-    # finalizers: the lock tqdm makes in every replica's generate is removed, not reported leaked at exit
+    # a replica leaves without its interpreter's teardown (distributed/process.leave_now) but after multiprocessing's
+    # own finalizers: the lock tqdm makes in every replica's generate is removed, not reported leaked at exit
     import subprocess
     import sys
     script = ("from nanovllm import LLM\n"

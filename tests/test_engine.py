@@ -194,7 +194,7 @@ def test_compile_buckets_hold_every_kind_of_bucket():
     import math
 
     from nanovllm.engine.cuda_graph import compile_buckets, decode_buckets
-    from nanovllm.layers.kernels.fused_moe import moe_tiles
+    from nanovllm.kernels.fused_moe import moe_tiles
 
     def kind(bs: int):
         return bs == 1, bs <= 16, bs == 1 or bs % 16 == 0
@@ -225,7 +225,7 @@ def test_prefill_warmup_covers_every_variant_and_leaves_the_engine_exact(qwen3_t
     # ... and those query lengths reach every tile the Triton prefill kernel can pick
     import torch
 
-    from nanovllm.layers.kernels.prefill import _prefill_config
+    from nanovllm.kernels.prefill import _prefill_config
     for dtype, head_dim in ((torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float32, 128)):
         tiles = {_prefill_config(head_dim, dtype, n) for n in range(1, 4097)}
         assert tiles == {_prefill_config(head_dim, dtype, n) for n in warmup.PREFILL_QUERY_LENS}
@@ -338,7 +338,7 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_before_the_weights_load(qwe
     # caller and the executor it no longer needs is shut down (counted here)
     import shutil
 
-    from nanovllm.engine import executor
+    from nanovllm.distributed import executor
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{qwen3_tied}/{name}", tmp_path / name)
     built, shutdowns = [], []
@@ -366,7 +366,7 @@ def test_an_llm_dropped_without_exit_is_shut_down_and_freed(qwen3_tied, monkeypa
     import gc
     import weakref
 
-    from nanovllm.engine import executor
+    from nanovllm.distributed import executor
     shutdowns = []  # the tags of the executors shut down (an earlier test's engine may be collected meanwhile)
     real_shutdown = executor.UniprocExecutor.shutdown
     monkeypatch.setattr(executor.UniprocExecutor, "shutdown",
@@ -395,7 +395,7 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
     # step's ids, positions and previous-step rows travel in one int64 copy, its attention metadata in one int32 copy;
     # where a decode graph runs the step (CUDA), all of them in one copy straight into the graphs' buffers
     # (DecodeGraphs.stage, tests/test_graph_inputs.py), none through _to_device
-    from nanovllm.utils.context import to_device_packed
+    from nanovllm.layers.context import to_device_packed
     with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128) as llm:
         runner = llm.executor.runner
         seqs = [llm.add_request(list(range(1, n)), SamplingParams(max_tokens=4)) for n in (20, 5)]

@@ -9,8 +9,8 @@ pytest.importorskip("gguf", reason="GGUF tests need the gguf package: pip instal
 from safetensors.torch import load_file  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils import gguf as nv_gguf  # noqa: E402
-from nanovllm.utils.loader import load_hf_config  # noqa: E402
+from nanovllm.checkpoint import gguf as nv_gguf  # noqa: E402
+from nanovllm.checkpoint.loader import load_hf_config  # noqa: E402
 from tests.tiny_models import CHAT_TEMPLATE, hf_greedy, make_checkpoint, make_gguf  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 200, 17, 3, 99, 120, 7, 7, 250, 31, 64, 11, 180, 90, 2, 77, 300, 150, 45]]
@@ -187,7 +187,7 @@ def test_a_converted_tokenizer_loads_without_autotokenizer(tiny_llama, monkeypat
 
     from transformers import AutoTokenizer
 
-    from nanovllm.utils import loader
+    from nanovllm.checkpoint import loader
     path = tiny_llama[1]
     directory = nv_gguf.gguf_checkpoint_dir(path)
     reference = AutoTokenizer.from_pretrained(directory)

@@ -187,7 +187,7 @@ def test_cuda_bf16_batch_16_on_the_tma_ring(qwen3_attention_shape, kv_cache_dtyp
     sequences it generated, each token is within `tolerance` nats of the best under transformers in float32, and
     its logprob within `tolerance` of float32's (0.25 as test_engine's bfloat16 test; fp8 adds its rounding of K/V,
     up to 0.26 nats on the bundled model in float32, docs/benchmarks.md)."""
-    from nanovllm.layers.kernels import decode_tma
+    from nanovllm.kernels.hopper import decode_tma
     from tests.tiny_models import hf_model
     scaled, tma = [], decode_tma.decode_attention_tma
     monkeypatch.setattr(decode_tma, "decode_attention_tma",

@@ -15,7 +15,7 @@ def _graphs(max_num_seqs=20, max_model_len=1000, block_size=64):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_model_len=max_model_len, tensor_parallel_size=1,
                              hf_config=SimpleNamespace(hidden_size=8), torch_dtype=torch.float32)
     runner = SimpleNamespace(config=config, device=torch.device("cpu"), backend=TorchAttention(), model=None,
-                             block_size=block_size)
+                             forward=None, block_size=block_size)
     return DecodeGraphs(runner)
 
 

@@ -112,8 +112,8 @@ def test_sliding_window_shorter_than_max_model_len(tmp_path):
 def test_checkpoint_names_route_by_whole_segments():
     """Packed q/k/v and gate/up are found by whole trailing module segments, never by substring: an expert's
     gate_proj (MoE) or a module whose name merely contains gate_proj stays itself."""
+    from nanovllm.checkpoint.loader import route_weight
     from nanovllm.models.decoder import DecoderForCausalLM
-    from nanovllm.utils.loader import route_weight
     packed = DecoderForCausalLM.packed_modules_mapping
     assert route_weight("model.layers.3.self_attn.k_proj.bias", packed) == \
         ("model.layers.3.self_attn.qkv_proj.bias", "k")

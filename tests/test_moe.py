@@ -170,7 +170,7 @@ def test_expert_weights_from_per_expert_and_stacked_names(checkpoints):
     """A checkpoint stores one tensor per expert and projection (gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2
     under block_sparse_moe); transformers keeps them stacked in memory (experts.gate_up_proj): both load, and the
     stacked layout is transformers' own."""
-    from nanovllm.utils.loader import iter_weights, load_named_weights
+    from nanovllm.checkpoint.loader import iter_weights, load_named_weights
     for name in ("qwen3_moe", "mixtral"):
         path = checkpoints[name]
         names = [n for n, _ in iter_weights(path)]
@@ -189,7 +189,7 @@ def test_expert_weights_from_per_expert_and_stacked_names(checkpoints):
 
 
 def test_expert_weight_errors(checkpoints):
-    from nanovllm.utils.loader import iter_weights, load_named_weights
+    from nanovllm.checkpoint.loader import iter_weights, load_named_weights
     path = checkpoints["qwen3_moe"]
     weights = dict(iter_weights(path))
 
@@ -232,7 +232,7 @@ def test_unsupported_moe_configs_raise(checkpoints, tmp_path, name, changes, fie
 
 def test_tensor_parallel_needs_divisible_experts(checkpoints, tmp_path):
     from nanovllm.config import Config
-    from nanovllm.engine.tensor_parallel import check_tensor_parallel
+    from nanovllm.distributed.tensor_parallel import check_tensor_parallel
     path = _with_config(checkpoints["qwen3_moe"], tmp_path / "odd", moe_intermediate_size=33)
     shutil.copy(os.path.join(checkpoints["qwen3_moe"], "tokenizer.json"), path)
     with pytest.raises(ValueError, match="moe_intermediate_size=33 is not divisible by tensor_parallel_size=2"):
@@ -290,7 +290,7 @@ def test_kernel_benchmark_runs_on_cpu():
 def test_kernels_compile_for_hopper():
     """Every tile configuration moe_tiles picks compiles for sm_90 and fits its shared memory."""
     pytest.importorskip("triton")
-    from nanovllm.layers.kernels import fused_moe as k
+    from nanovllm.kernels import fused_moe as k
     from tests.test_triton_kernels import _compile_for_hopper
     index_ptrs = {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "block_rows_ptr")}
     # (dtype, pairs, whether K divides by block_k: the masked path runs for hidden sizes like the tiny models' 64)
@@ -345,7 +345,7 @@ def test_gpu_kernel_mixtral_shape(num_tokens, dtype):
 def test_gpu_kernel_has_no_host_sync_and_replays_in_a_graph():
     """Captured once in a CUDA graph, replayed with other tokens and routing: equals the reference each time; and an
     eager call never synchronizes with the host (torch raises on any sync in "error" mode)."""
-    from nanovllm.layers.kernels.fused_moe import fused_moe
+    from nanovllm.kernels.fused_moe import fused_moe
     from nanovllm.layers.moe import fused_experts_torch
     from tests.moe_kernel_checks import TOLERANCES, random_experts, routing
     s, num_tokens = QWEN3_30B_LAYER, 48

@@ -1,4 +1,4 @@
-"""The plain config.json reader (nanovllm/utils/plain_config.py) against transformers' AutoConfig: on every checkpoint
+"""The plain config.json reader (checkpoint/plain_config.py) against transformers' AutoConfig: on every checkpoint
 the suite can build and on tricky config.json variants it either agrees with AutoConfig on every field the engine
 reads (HF_CONFIG_FIELDS) or declines; the engine reads no other field; a plain-readable checkpoint's Config, and a
 whole engine, never import transformers on the main thread; the config pickles."""
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.checkpoint import loader
+from nanovllm.checkpoint.plain_config import HF_CONFIG_FIELDS, PlainConfig, read_plain_config
 from nanovllm.config import Config
-from nanovllm.engine.tensor_parallel import check_tensor_parallel
-from nanovllm.utils import loader
-from nanovllm.utils.plain_config import HF_CONFIG_FIELDS, PlainConfig, read_plain_config
+from nanovllm.distributed.tensor_parallel import check_tensor_parallel
 from tests.test_models import LLAMA3_ROPE
 from tests.tiny_models import make_checkpoint
 
@@ -75,7 +75,7 @@ def test_benchmark_configs(name, expect_plain):
 
 def test_converted_gguf_files(tmp_path, monkeypatch, checkpoints):
     pytest.importorskip("gguf")
-    from nanovllm.utils.gguf import gguf_checkpoint_dir
+    from nanovllm.checkpoint.gguf import gguf_checkpoint_dir
     from tests.tiny_models import make_gguf
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
     for name in ("llama", "qwen2"):
@@ -84,7 +84,7 @@ def test_converted_gguf_files(tmp_path, monkeypatch, checkpoints):
 
 def test_bundled_model_is_read_plainly(bundled, bundled_gguf_cache, monkeypatch):
     """The start-up case: the bundled SmolLM2 (its converted config.json) needs no transformers."""
-    from nanovllm.utils.gguf import gguf_checkpoint_dir
+    from nanovllm.checkpoint.gguf import gguf_checkpoint_dir
     monkeypatch.setenv("NANOVLLM_CACHE", bundled_gguf_cache)
     plain = check_agrees_or_declines(gguf_checkpoint_dir(bundled), True)
     assert plain.architectures == ["LlamaForCausalLM"] and plain.tie_word_embeddings

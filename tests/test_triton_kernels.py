@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = "tests/triton_kernel_checks.py"
@@ -118,7 +117,7 @@ def test_compile_tally_counts_a_compile(monkeypatch):
     from triton import knobs
 
     from nanovllm.engine.warmup import counting_compiles
-    from nanovllm.layers.kernels import activation
+    from nanovllm.kernels import activation
     heard = []
     monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
     before = knobs.compilation.listener
@@ -149,7 +148,7 @@ def test_compile_ahead_compiles_on_threads_and_launches_nothing(monkeypatch, tmp
     from triton.runtime.jit import JITFunction
 
     from nanovllm.engine.warmup import compile_ahead, counting_compiles
-    from nanovllm.layers.kernels import activation
+    from nanovllm.kernels import activation
 
     class NoGpu:  # what JITFunction.run asks of the driver before it compiles
         def get_current_device(self):
@@ -222,7 +221,7 @@ def _try_launch(kernel) -> str:
 
 def test_kernels_compile_for_hopper():
     pytest.importorskip("triton")
-    from nanovllm.layers.kernels import decode, prefill, store_kvcache
+    from nanovllm.kernels import decode, prefill, store_kvcache
 
     # (q dtype, KV cache pointer type or None for a 16-bit cache like q's)
     for dtype, head_dim, paged, kv in [(torch.bfloat16, 128, False, None), (torch.bfloat16, 128, True, None),
@@ -272,7 +271,7 @@ def test_kernels_compile_for_hopper():
 
 def test_elementwise_kernels_compile_for_hopper():
     triton = pytest.importorskip("triton")
-    from nanovllm.layers.kernels import activation, rope
+    from nanovllm.kernels import activation, rope
     for norm, store, quant, heads in ((True, True, False, 0), (True, False, False, 0), (False, True, False, 0),
                                       (True, True, True, 0), (True, True, False, 2), (True, True, True, 1)):
         cache = "*fp8e4nv" if quant else "*bf16"
@@ -286,12 +285,12 @@ def test_elementwise_kernels_compile_for_hopper():
                             num_warps=max(1, heads // 2) if heads else 4, launch_pdl=True)
     _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
-    from nanovllm.layers.kernels import norm, race
+    from nanovllm.kernels import norm, race
     for add in (True, False):
         _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
                                                                           "res_out_ptr")} | {"eps": "fp32"},
                             dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
-    from nanovllm.layers.kernels import gemv
+    from nanovllm.kernels import gemv
     # (qkv as it was; o_proj, gate_up and down swapped, o_proj and down split over K)
     # (16 rows: with the norm folded as DecoderModel.forward_rows does: o_proj and down hand it on, qkv and gate_up
     # take it)
@@ -330,19 +329,19 @@ def test_elementwise_kernels_compile_for_hopper():
             _compile_for_hopper(race._draws_kernel, {"seed_ptr": "*i64", "keys_ptr": "*i64", "streams_ptr": "*i64",
                                                      "ids_ptr": "*i64", "out_ptr": "*fp32"},
                                 dict(KEYED=keyed, IDS=ids, BLOCK=1024, FAST=True), num_warps=4)
-    from nanovllm.layers.kernels import penalties
+    from nanovllm.kernels import penalties
     for rep, add in ((True, False), (False, True), (True, True)):
         _compile_for_hopper(penalties._penalties_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "rows_ptr": "*i64",
                                                           "seen_ptr": "*u8", "counts_ptr": "*fp32", "rep_ptr": "*fp32",
                                                           "pres_ptr": "*fp32", "freq_ptr": "*fp32"},
                             dict(REP=rep, ADD=add, BLOCK=penalties.BLOCK), num_warps=8)
-    from nanovllm.layers.kernels import logprobs
+    from nanovllm.kernels import logprobs
     for dtype in ("*bf16", "*fp32"):
         _compile_for_hopper(logprobs._logprob_stats_kernel, {"logits_ptr": dtype, "max_ptr": "*fp32",
                                                              "sum_ptr": "*fp32", "top_v_ptr": "*fp32",
                                                              "top_i_ptr": "*i64"},
                             dict(BLOCK=1024, KB=logprobs.MAX_K), num_warps=4)
-    from nanovllm.layers.sampler import MAX_LOGPROBS_FUSED
+    from nanovllm.sampling.sampler import MAX_LOGPROBS_FUSED
     assert MAX_LOGPROBS_FUSED == logprobs.MAX_K  # the sampler's bound of the kernel's k
     _compile_for_hopper(race._race_pick_kernel, {"best_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64"},
                         dict(CHUNKS=triton.next_power_of_2(race.PROGRAMS_PER_SM * race.sm_count(torch.device("cpu")))),
@@ -436,10 +435,11 @@ def test_gpu_decode_fp8(batch, block_size, kv_dtype):
 @pytest.mark.parametrize("batch,block_size", [(8, 16), (16, 64)])
 def test_gpu_decode_cuda_graph(batch, block_size, monkeypatch):
     """Captured once, replayed with other context lengths, tables and queries: the grid must not depend on them."""
+    from nanovllm.kernels import decode
+    from nanovllm.kernels.hopper import decode_tma
     from nanovllm.layers.attention.torch_ref import TorchAttention
     from nanovllm.layers.attention.triton_backend import TritonAttention
-    from nanovllm.layers.kernels import decode, decode_tma
-    from nanovllm.utils.context import Context
+    from nanovllm.layers.context import Context
     from tests.triton_kernel_checks import assert_close, block_tables_for, random_cache
     heads, kv_heads, head_dim, width = 16, 8, 128, 1280 // block_size
     tma_launches, tma = [], decode_tma.decode_attention_tma
@@ -477,7 +477,7 @@ def test_gpu_decode_cuda_graph(batch, block_size, monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64), (16, 1, 128)])
 @pytest.mark.parametrize("stages", [3, 4])
 def test_gpu_decode_tma(stages, heads, kv_heads, head_dim, block_size, dtype):
-    from nanovllm.layers.kernels import decode_tma
+    from nanovllm.kernels.hopper import decode_tma
     from tests.triton_kernel_checks import check_decode_tma
     if not decode_tma.usable(torch.zeros(1, heads, head_dim, dtype=dtype, device="cuda"),
                              *(torch.zeros(1, block_size, kv_heads, head_dim, dtype=dtype, device="cuda"),) * 2):
@@ -493,8 +493,8 @@ def test_gpu_decode_tma(stages, heads, kv_heads, head_dim, block_size, dtype):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 4, 64)])
 @pytest.mark.parametrize("stages,chunk_tiles", [(3, None), (4, None), (3, 3)])
 def test_gpu_decode_tma_fp8(stages, chunk_tiles, heads, kv_heads, head_dim, block_size, dtype, kv_dtype):
+    from nanovllm.kernels.hopper import decode_tma
     from nanovllm.layers.attention.fp8 import token_major
-    from nanovllm.layers.kernels import decode_tma
     from tests.triton_kernel_checks import check_decode_tma
     cache = torch.zeros(1, block_size, kv_heads, head_dim, dtype=kv_dtype, device="cuda")
     scales = torch.zeros(1, kv_heads, block_size, device="cuda")
@@ -510,8 +510,9 @@ def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
     # the engine's path (decode_attention): the TMA ring at 12-33 sequences with 8 KV heads and a bound up to 4,096
     # tokens, the split-K kernel otherwise (and with NANOVLLM_DECODE_TMA=0), for a 16-bit and an fp8 cache; both
     # give the same attention
+    from nanovllm.kernels import decode
+    from nanovllm.kernels.hopper import decode_tma
     from nanovllm.layers.attention.fp8 import token_major
-    from nanovllm.layers.kernels import decode, decode_tma
     from tests.triton_kernel_checks import block_tables_for, random_cache, random_fp8_cache
     if not decode_tma.stages_for(128, 4096, decode.sm_count(torch.device("cuda"))):
         pytest.skip("no Gluon here")
@@ -551,7 +552,8 @@ def test_gpu_decode_tma_context_past_its_bound_is_still_whole():
     # a caller's bound shorter than a context (the engine never passes one): the grid's chunks grow to cover it, so
     # the answer is the same as under a true bound; the split counters the split-K and linear kernels share go
     # back to zero, and nothing is written past out
-    from nanovllm.layers.kernels import decode, decode_tma
+    from nanovllm.kernels import decode
+    from nanovllm.kernels.hopper import decode_tma
     from tests.triton_kernel_checks import block_tables_for, random_cache
     if not decode_tma.usable(torch.zeros(1, 16, 128, dtype=torch.bfloat16, device="cuda"),
                              *(torch.zeros(1, 256, 8, 128, dtype=torch.bfloat16, device="cuda"),) * 2):
@@ -635,15 +637,14 @@ def test_gpu_gemv(rows):
 @pytest.mark.gpu
 def test_gpu_gemv_add_norm():
     # the norm folded between the Qwen3-0.6B projections at 16 and 9 rows: o_proj -> gate_up, down -> qkv, in
-    # bf16 against float32; and DecoderModel.forward_rows against the plain forward in float16 (three layers of
-    # bfloat16 roundings, in another order, would not meet a tolerance that catches a misplaced weight; float16's own
-    # missed by one element in 576 on an H200, 3.4e-3 against 3.0e-3 + 1% of a near-zero value)
-    from tests.triton_kernel_checks import check_decoder_rows_folded, check_gemv_add_norm
+    # bf16 against float32; and the fused step against the plain model in float16 (three layers of bfloat16
+    # roundings, in another order, would not meet a tolerance that catches a misplaced weight)
+    from tests.triton_kernel_checks import check_fused_step, check_gemv_add_norm
     torch.manual_seed(0)
     for rows in (16, 9):
         check_gemv_add_norm(rows, 1024, 2048, 6144, torch.bfloat16, device="cuda")
         check_gemv_add_norm(rows, 1024, 3072, 4096, torch.bfloat16, device="cuda")
-        check_decoder_rows_folded(rows, torch.float16, device="cuda", tolerance=dict(atol=1e-2, rtol=1e-2))
+        check_fused_step(rows, torch.float16, device="cuda", tolerance=dict(atol=1e-2, rtol=1e-2))
 
 
 @pytest.mark.gpu
@@ -651,13 +652,13 @@ def test_gpu_gemv_add_norm():
 def test_gpu_gemv_row_chain(pdl, monkeypatch):
     # the one-row kernel with and without programmatic dependent launch, with the norm / residual add / SiLU folded
     # in: each call reads what the one before wrote, eager and replayed as a CUDA graph: the same bits
-    from nanovllm.layers.kernels import gemv, norm
-    from tests.triton_kernel_checks import check_decoder_layer_small_batch, check_gemv, check_gemv_fused
+    from nanovllm.kernels import gemv, norm
+    from tests.triton_kernel_checks import check_fused_step, check_gemv, check_gemv_fused
     monkeypatch.setattr(gemv, "pdl_enabled", lambda device: pdl)
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (1000, 1000)):
         check_gemv(1, n, k, torch.bfloat16, n == 1000, device="cuda")
         check_gemv_fused(1, n, k, torch.bfloat16, device="cuda")
-    check_decoder_layer_small_batch(1, torch.bfloat16, device="cuda")
+    check_fused_step(1, torch.bfloat16, device="cuda")
 
     def weight(n, k):
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
@@ -668,8 +669,8 @@ def test_gpu_gemv_row_chain(pdl, monkeypatch):
     def chain():
         h, r = norm.add_rms_norm(x, res, nw, 1e-6)
         for _ in range(3):
-            h = gemv.gemv(gemv.gemv(gemv.gemv(h, w_a), w_b), w_c, gated=True)
-            h, r = gemv.gemv(h, w_a[:1024].contiguous(), norm=(nw, 1e-6), residual=r)
+            h = gemv.gemv_folded(gemv.gemv(gemv.gemv(h, w_a), w_b), w_c, gated=True)
+            h, r = gemv.gemv_folded(h, w_a[:1024].contiguous(), norm=(nw, 1e-6), residual=r)
         return h, r
     eager = chain()
     torch.cuda.synchronize()
@@ -692,13 +693,14 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
     L2 prefetch at 1 row, and at 16 rows the TMA ring, which copies the tiles before the new token before its wait,
     from a 16-bit or an fp8 cache), replayed as a CUDA graph with new inputs, they give the bits of plain launches.
     A kernel that read before the one before it had finished would not. fold: the norms between the projections
-    folded into them as DecoderModel.forward_rows does (gemv's add_norm, then normed)."""
+    folded into them as the fused step does (gemv_add_norm, then gemv_normed)."""
+    from nanovllm.kernels import activation, decode, gemv, norm, rope
+    from nanovllm.kernels.hopper import pdl
     from nanovllm.layers.attention.fp8 import raw, token_major
-    from nanovllm.layers.kernels import activation, decode, gemv, norm, pdl, rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from tests.triton_kernel_checks import block_tables_for, random_cache, random_fp8_cache
     if not pdl.pdl_enabled(torch.device("cuda")):
-        pytest.skip("no programmatic dependent launch here (before Hopper, or NANOVLLM_PDL=0)")
+        pytest.skip("no programmatic dependent launch here (before Hopper)")
     torch.manual_seed(rows)
     hidden, heads, kv_heads, head_dim, inter, block_size, width, eps = 1024, 16, 8, 128, 3072, 256, 16, 1e-6
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -723,7 +725,7 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
     early = []
     launched_early = decode.launched_early
     monkeypatch.setattr(decode, "launched_early", lambda *a: early.append(launched_early(*a)) or early[-1])
-    from nanovllm.layers.kernels import decode_tma
+    from nanovllm.kernels.hopper import decode_tma
     tma_launches, tma = [], decode_tma.decode_attention_tma
     monkeypatch.setattr(decode_tma, "decode_attention_tma", lambda *a, **k: tma_launches.append(1) or tma(*a, **k))
 
@@ -731,7 +733,7 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
         h, r = norm.add_rms_norm(x, res, nw, eps)
         normed = None
         for (w_qkv, w_o, w_gate_up, w_down), (k_cache, v_cache, *scales) in zip(layers, caches):
-            qkv = gemv.gemv(h, w_qkv) if normed is None else gemv.gemv(normed.x, w_qkv, normed=normed)
+            qkv = gemv.gemv(h, w_qkv) if normed is None else gemv.gemv_normed(normed, w_qkv)
             q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
             k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
@@ -739,9 +741,9 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
             o = decode.decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5,
                                         **dict(zip(("k_scale", "v_scale"), scales)))
             if fold:
-                r, normed = gemv.gemv(o.view(rows, -1), w_o, add_norm=(r, nw, eps))
-                act = activation.silu_and_mul(gemv.gemv(normed.x, w_gate_up, normed=normed))
-                r, normed = gemv.gemv(act, w_down, add_norm=(r, nw, eps))
+                r, normed = gemv.gemv_add_norm(o.view(rows, -1), w_o, None, r, nw, eps)
+                act = activation.silu_and_mul(gemv.gemv_normed(normed, w_gate_up))
+                r, normed = gemv.gemv_add_norm(act, w_down, None, r, nw, eps)
                 h = normed.x
             else:
                 h, r = norm.add_rms_norm(gemv.gemv(o.view(rows, -1), w_o), r, nw, eps)
@@ -796,7 +798,7 @@ def test_decode_launched_early_and_its_prefetch(monkeypatch):
     # batches 1-16 (8 KV heads) at a max_model_len of 4,096, not 17 (4-tile splits); past 8,192 tokens their splits
     # hold 3 tiles. Each program asks for all its tiles where the grid is resident at once (an H200's 132 SMs off-GPU:
     # batches 1 and 2, 256 and 512 programs), else for its first (batch 3, 768; batch 16, 4,096)
-    from nanovllm.layers.kernels import decode
+    from nanovllm.kernels import decode
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert not decode.launched_early(2, 256, 64, 128, bf16, cpu)  # no PDL on CPU
     monkeypatch.setattr(decode, "pdl_enabled", lambda device: True)
@@ -818,10 +820,10 @@ def test_decode_launched_early_and_its_prefetch(monkeypatch):
     assert decode.prefetch_tiles(4096, 1, cpu) == 1
 
 
-def test_decode_tma_rule(monkeypatch):
+def test_decode_tma_rule():
     # the TMA ring serves 96 to two SMs' worth of (sequence, KV head) programs under a bound of at most 4,096 tokens
     # (on an H200's 132 SMs: batches 12-33 with 8 KV heads), 4 slots where each program has an SM, 3 past that
-    from nanovllm.layers.kernels import decode_tma
+    from nanovllm.kernels.hopper import decode_tma
     if decode_tma.gluon is None:
         pytest.skip("this Triton has no Gluon")
     rule = decode_tma.stages_for
@@ -833,15 +835,13 @@ def test_decode_tma_rule(monkeypatch):
     chunks = decode_tma.chunk_tiles_for
     assert [chunks(p, 132, fp8=True) for p in (96, 132, 133, 264)] == [3, 3, 8, 8]
     assert [chunks(p, 132) for p in (96, 132, 133, 264)] == [16] * 4
-    monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
-    assert rule(128, 4096, 132) == 0
 
 
 def test_decode_tma_compiles_for_hopper(monkeypatch):
     # the Gluon kernel through this Triton's Gluon API (experimental, renamed between releases), for sm_90 with a
     # stand-in driver: both ring depths the rule picks, bf16 and fp16, head_dim 128 and 64, a 16-bit and an fp8
     # cache, and within Hopper's shared memory
-    from nanovllm.layers.kernels import decode_tma
+    from nanovllm.kernels.hopper import decode_tma
     if decode_tma.gluon is None:
         pytest.skip("this Triton has no Gluon")
     from triton.backends.compiler import GPUTarget
@@ -888,7 +888,7 @@ def test_early_decode_launch_wiring(monkeypatch):
     # in for, nothing runs): early launches at batches 1 and 16 of a 4,096-token bound, with SPLIT_IN_BLOCK (the
     # prefetch needs the split's block) and both tiles asked for at batch 1, the first at 16; not early for an fp8
     # or float32 cache or past 16 (4-tile splits); the rotary kernel triggers first past one token only
-    from nanovllm.layers.kernels import decode, rope
+    from nanovllm.kernels import decode, rope
     launches = []
 
     class Kernel:
@@ -929,7 +929,7 @@ def test_early_decode_launch_wiring(monkeypatch):
 def test_decode_split_lengths():
     # The heuristic's choices (H200 shape, 132 SMs; tables 4,096 tokens wide): short splits at small batch, longer
     # ones as the batch grows; a 16-bit cache at batch 256 is not split, an fp8 one in splits of 1,024 tokens
-    from nanovllm.layers.kernels.decode import decode_splits
+    from nanovllm.kernels.decode import decode_splits
     cpu = torch.device("cpu")
 
     def split_tokens(batch, quant):
@@ -948,7 +948,7 @@ def test_gemv_split_choice():
     # down (K 2,048 and 3,072) at 2-16 rows, not for qkv (64 programs, K 1,024), the LM head or one row. K-splits
     # only where the columns leave most SMs idle: o_proj (4 splits of 512) and down (4 of 768); the count is the one
     # launched, after rounding to whole tiles
-    from nanovllm.layers.kernels.gemv import gemv_config, gemv_split_k, swapped
+    from nanovllm.kernels.gemv import gemv_config, gemv_split_k, swapped
     shapes = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))
     cpu = torch.device("cpu")
 
@@ -964,54 +964,48 @@ def test_gemv_split_choice():
     assert [split(16, n, k) for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == [1] * 4
 
 
-def test_small_batch_linear_dispatch(monkeypatch):
-    # The CUDA runner's linear layers: 1-16 rows of a 16-bit model through the Triton kernel, everything else (more
-    # rows, float32, strided rows) through F.linear, with the same result either way
-    from nanovllm.layers.kernels import gemv
-    from nanovllm.layers.linear import matmul_fn
-    calls = []
-    monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: (calls.append(x.shape[0]), F.linear(x, w, b))[1])
-    linear = matmul_fn(True)
+def test_small_batch_linear_rule():
+    # On CUDA, layers/linear.linear sends 1-16 unit-stride rows of a 16-bit model to the Triton kernel, everything
+    # else (more rows, float32, strided rows) to F.linear
+    from nanovllm.layers.linear import small_batch_rows
     w = torch.randn(8, 32, dtype=torch.bfloat16)
     for rows, dtype, strided, expect in ((1, torch.bfloat16, False, True), (16, torch.float16, False, True),
                                          (17, torch.bfloat16, False, False), (4, torch.float32, False, False),
                                          (4, torch.bfloat16, True, False)):
-        calls.clear()
         x = torch.randn(rows, 64 if strided else 32).to(dtype)
         x = x[:, ::2] if strided else x
-        y = linear(x, w.to(dtype))
-        assert bool(calls) == expect, (rows, dtype, strided)
-        torch.testing.assert_close(y, F.linear(x, w.to(dtype)))
+        assert small_batch_rows(x, w.to(dtype)) == expect, (rows, dtype, strided)
 
 
 def test_gemv_refuses_the_one_row_kernel_for_more_rows():
     # the one-row kernel writes row 0 of y alone: forcing it on more rows (a benchmark's row_kernel=True) must fail
     # before any launch, not return rows of torch.empty
-    from nanovllm.layers.kernels.gemv import gemv
-    with pytest.raises(ValueError, match="row_kernel True"):
+    from nanovllm.kernels.gemv import gemv, gemv_folded
+    with pytest.raises(ValueError, match="row_kernel: one row"):
         gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)
+    with pytest.raises(ValueError, match="one row of K"):
+        gemv_folded(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), gated=True)
 
 
 def test_gemv_refuses_a_norm_fold_it_cannot_run():
-    # add_norm and normed run in the general kernel on 2-16 rows with no other fold; a residual unlike y would be
-    # read out of bounds
-    from nanovllm.layers.kernels.gemv import NormedRows, gemv
+    # add_norm and normed run in the general kernel on 2-16 rows; a residual unlike y would be read out of bounds
+    from nanovllm.kernels.gemv import NormedRows, gemv_add_norm, gemv_normed
     x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)
     nw = torch.ones(8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="add_norm"):
-        gemv(x[:1], w, add_norm=(torch.zeros(1, 8, dtype=torch.bfloat16), nw, 1e-6))
-    with pytest.raises(ValueError, match="add_norm"):
-        gemv(x, w, add_norm=(torch.zeros(3, 16, dtype=torch.bfloat16)[:, :8], nw, 1e-6))
-    with pytest.raises(ValueError, match="add_norm"):
-        gemv(x, w, add_norm=(torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6))
-    with pytest.raises(ValueError, match="normed"):
-        gemv(x, w[:, :16], gated=True, normed=NormedRows(x, torch.zeros(16, 16), 1, 1e-6))
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x[:1], w, None, torch.zeros(1, 8, dtype=torch.bfloat16), nw, 1e-6)
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x, w, None, torch.zeros(3, 16, dtype=torch.bfloat16)[:, :8], nw, 1e-6)
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x, w, None, torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="an even N"):
+        gemv_normed(NormedRows(x, torch.zeros(16, 16), 1, 1e-6), w[:7], gated_out=True)
 
 
 def test_rotary_store_refuses_a_v_unlike_k():
     # the kernel reads every token's V rows (slot -1 too) before it stores: a V with fewer tokens or heads than k
     # must fail before any launch, not read past its end
-    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    from nanovllm.kernels.rope import qk_norm_rope_
     q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
     caches = [torch.zeros(2, 8, 2, 16) for _ in "kv"]
     slots = torch.tensor([0, 1, -1, -1], dtype=torch.int32)

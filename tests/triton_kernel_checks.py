@@ -10,13 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.decode import decode_attention
+from nanovllm.kernels.prefill import prefill_attention
+from nanovllm.kernels.race import _exp1, _uniforms
 from nanovllm.layers.attention.fp8 import cache_layout, is_fp8, quantize, token_major
 from nanovllm.layers.attention.torch_ref import TorchAttention
 from nanovllm.layers.attention.triton_backend import TritonAttention
-from nanovllm.layers.kernels.decode import decode_attention
-from nanovllm.layers.kernels.prefill import prefill_attention
-from nanovllm.layers.kernels.race import _exp1, _uniforms
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 
 @pytest.fixture(autouse=True)
@@ -231,8 +231,8 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
     values, with scales 10^8 above any context's, which a kernel must keep out of its running V scale (else every
     p it scales down underflows float16).
     chunk_tiles: the chunks' floor (decode_tma.chunk_tiles_for; default the kernel's)."""
+    from nanovllm.kernels.hopper.decode_tma import decode_attention_tma
     from nanovllm.layers.attention.fp8 import dequantize
-    from nanovllm.layers.kernels.decode_tma import decode_attention_tma
     batch = len(context_lens)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
     if kv_dtype is None:
@@ -283,7 +283,7 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
                        heads_per_program: int = 0):
     """The fused q/k RMSNorm + rotary kernel, in place on views of one qkv projection, against the torch modules
     (norm in float32 then rounded, as the reference does; rotary over positions anywhere in the cache)."""
-    from nanovllm.layers.kernels.rope import qk_norm_rope_
+    from nanovllm.kernels.rope import qk_norm_rope_
     from nanovllm.layers.layernorm import rms_norm
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
@@ -308,9 +308,9 @@ def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int =
     """The rotary kernel writing the K/V cache itself: the cache afterwards equals the rotary kernel then
     store_kvcache's (skipped slots -1 untouched), q and k as without the store. kv_dtype fp8: V token-major as the
     engine stores it, and the scales too."""
+    from nanovllm.kernels.rope import qk_norm_rope_
+    from nanovllm.kernels.store_kvcache import store_kvcache
     from nanovllm.layers.attention import fp8
-    from nanovllm.layers.kernels.rope import qk_norm_rope_
-    from nanovllm.layers.kernels.store_kvcache import store_kvcache
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     heads, kv_heads, head_dim = 4, 3, 64
     rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
@@ -339,16 +339,16 @@ def check_qk_norm_rope_store(tokens: int, dtype, device="cpu", block_size: int =
 
 
 def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
+    from nanovllm.kernels.activation import silu_and_mul
     from nanovllm.layers.activation import silu_and_mul as reference_silu
-    from nanovllm.layers.kernels.activation import silu_and_mul
     x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device) * 3
     assert_close(silu_and_mul(x), reference_silu(x.float()).to(dtype), dtype, f"silu_and_mul {tokens}x{inter}")
 
 
 def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
     """The Triton norms against layers/layernorm.py, with and without the residual add."""
+    from nanovllm.kernels import norm
     from nanovllm.layers import layernorm
-    from nanovllm.layers.kernels import norm
     x, residual = (torch.randn(rows, width, dtype=dtype, device=device) * 2 for _ in range(2))
     weight = torch.rand(width, dtype=dtype, device=device) + 0.5
     assert_close(norm.rms_norm(x, weight, 1e-6), layernorm.rms_norm(x, weight, 1e-6), dtype, "rms_norm")
@@ -360,7 +360,7 @@ def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
 
 def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=None):
     """The small-batch linear kernel (each row layout: one row, a 16-row dot) against F.linear in float32."""
-    from nanovllm.layers.kernels.gemv import gemv
+    from nanovllm.kernels.gemv import gemv
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
     b = torch.randn(n, device=device).to(dtype) if bias else None
@@ -373,8 +373,8 @@ def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=N
 def check_race(batch: int, vocab: int, dtype, device="cpu"):
     """The race kernel picks exactly what the torch race picks on the same logits and noise (ties and -inf too);
     with a batch under 4 rows a SM each row is split into vocabulary chunks (kernels/race.py's race_chunks)."""
-    from nanovllm.layers.kernels.race import race
-    from nanovllm.layers.sampler import race_in_log_space
+    from nanovllm.kernels.race import race
+    from nanovllm.sampling.sampler import race_in_log_space
     logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
     noise = torch.empty(batch, vocab, device=device).exponential_(1)
     logits[0, : vocab // 2] = float("-inf")  # a masked half
@@ -394,8 +394,8 @@ def check_race_draws(dtype, device="cpu", rows: int = 4000, vocab: int = 3000):
     """The race kernel drawing its own noise: each row's pick follows softmax(logits / T) (counts within 5 standard
     deviations over `rows` rows; the candidates spread over the vocabulary chunks of a small batch), -inf logits
     are never picked, the same seed picks the same tokens whether or not the rows are split."""
-    from nanovllm.layers.kernels.decode import sm_count
-    from nanovllm.layers.kernels.race import PROGRAMS_PER_SM, race, race_chunks
+    from nanovllm.kernels.decode import sm_count
+    from nanovllm.kernels.race import PROGRAMS_PER_SM, race, race_chunks
     values = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0])
     where = torch.linspace(0, vocab - 1, len(values)).long()
     logits = torch.full((vocab,), float("-inf"))
@@ -446,7 +446,7 @@ def check_race_draws_small_uniform(dtype, device="cpu"):
     scores -22 + 17.5 (in nats) and loses to token 0. With E = -log(1 - U) in float32, 1 - U rounds to 1, E = 0
     (log E = -inf) and token 4 wins: a 1e-10 token picked with probability 3e-8 per token and step. Token 4k + j
     draws lane j of counter k."""
-    from nanovllm.layers.kernels.race import race
+    from nanovllm.kernels.race import race
     seed = torch.tensor([13261905], dtype=torch.int64, device=device)
     u, e, lanes = (torch.empty(8, device=device) for _ in range(3))
     _exp1_probe[(1,)](seed, u, e, lanes)
@@ -463,8 +463,8 @@ def check_race_keys(dtype, device="cpu", vocab: int = 5000):
     """Seeded rows: keyed by their own key and stream, their picks do not depend on the batch, its step seed or the
     vocabulary split; unseeded rows (stream 0) pick as without keys; exp_draws gives the kernel's own draws, also
     gathered by token id."""
-    from nanovllm.layers.kernels.race import exp_draws, race
-    from nanovllm.layers.sampler import race_in_log_space
+    from nanovllm.kernels.race import exp_draws, race
+    from nanovllm.sampling.sampler import race_in_log_space
     logits = (torch.randn(6, vocab, device=device) * 2).to(dtype)
     temps = torch.rand(6, 1, device=device) + 0.5
     seed = torch.tensor([777], dtype=torch.int64, device=device)
@@ -504,7 +504,7 @@ def check_race_keys(dtype, device="cpu", vocab: int = 5000):
 
 def check_race_keys_follow_softmax(device="cpu", rows: int = 300):
     """One key over `rows` streams (a seeded request's positions): the picks follow softmax(logits / T)."""
-    from nanovllm.layers.kernels.race import race
+    from nanovllm.kernels.race import race
     values = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
     vocab = 600
     where = torch.linspace(0, vocab - 1, len(values)).long()
@@ -538,10 +538,9 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000, positions: int = 
     rows ask for (top-k / top-p or not, another seed, greedy), on both paths (the kernel's race; exp_draws for the
     filtered path); its sample index and its position change it. Over `positions` positions (each about 27 sampler
     calls)."""
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.sampling.sampler import Sampler
     from nanovllm.sampling_params import SamplingParams
-    sampler = Sampler(vocab, device=device)
-    sampler.use_compiled(True)
+    sampler = Sampler(vocab, device=device, triton=True)
     to_device = lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)  # noqa: E731
     logits = torch.randn(4, vocab, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -564,11 +563,6 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000, positions: int = 
             assert [pick([other, seeded], seeded, [5, p]) for p in pos_range] == alone, other
         assert [pick([seeded, others[1]], seeded, [p, 5]) for p in pos_range] == alone
         assert [pick([seeded], seeded, [p], sample_index=1) for p in pos_range] != alone
-        sampler.use_compiled(False)  # eager on CUDA: keyed all the same (exp_draws), so the same tokens
-        sampler.keyed = True
-        assert [pick([seeded], seeded, [p]) for p in pos_range] == alone
-        assert [pick([others[0], seeded], seeded, [5, p]) for p in pos_range] == alone
-        sampler.use_compiled(True)
     # seeds wrap into 64 bits: sample 1 of seed 2**64 - 1 is sample 0 of seed 0; seed 2**63 is key -2**63
     wrapped = SamplingParams(temperature=1.0, seed=2**64 - 1)
     zero = SamplingParams(temperature=1.0, seed=0)
@@ -582,8 +576,8 @@ def check_sampler_seeded_rows(device="cpu", vocab: int = 3000, positions: int = 
 def check_penalties(batch: int, vocab: int, device="cpu", exact: bool = True):
     """The penalties kernel against the processor's torch form: repetition alone, presence and frequency alone, all
     three; rows reading scattered lines of the history; positive, negative and -inf logits."""
-    from nanovllm.layers.kernels.penalties import apply_penalties
-    from nanovllm.layers.logits_processors import PenaltiesProcessor
+    from nanovllm.kernels.penalties import apply_penalties
+    from nanovllm.sampling.logits_processors import PenaltiesProcessor
     processor = PenaltiesProcessor(vocab, torch.device(device))
     lines = batch + 5
     processor.seen = torch.rand(lines, vocab, device=device) < 0.3
@@ -612,7 +606,7 @@ def check_logprob_stats(batch: int, vocab: int, k: int, dtype, device="cpu", tie
     """The logprobs kernel against torch: each row's logsumexp (close), its k largest logits (the same values, in
     order; the ids hold them, none twice); ties (rounded logits) and -inf logits (a grammar's mask); keep: only ids
     5 .. 5 + keep - 1 finite (a grammar allowing fewer than k tokens: the rest of the top k is -inf)."""
-    from nanovllm.layers.kernels.logprobs import logprob_stats
+    from nanovllm.kernels.logprobs import logprob_stats
     x = torch.randn(batch, vocab, device=device) * 4
     if ties:
         x = x.round()
@@ -635,20 +629,20 @@ def check_logprob_stats(batch: int, vocab: int, k: int, dtype, device="cpu", tie
 
 def logprob_stats_empty() -> bool:
     """A batch of no rows: empty results, no launch."""
-    from nanovllm.layers.kernels.logprobs import logprob_stats
+    from nanovllm.kernels.logprobs import logprob_stats
     lse, values, ids = logprob_stats(torch.empty(0, 3000), 5)
     return lse.shape == (0,) and values.shape == ids.shape == (0, 5) and ids.dtype == torch.int64
 
 
 def check_sampler_logprobs(device="cpu", vocab: int = 3000):
-    """The sampler's logprobs with the kernel (compiled) and with torch (eager), on the same logits and tokens
+    """The sampler's logprobs with the kernel and with torch (its reference), on the same logits and tokens
     (greedy rows): top ids of the same logits, values close; with a penalty too (float32 logits), and past MAX_K
     (torch on both)."""
     import unittest.mock
 
-    from nanovllm.layers.kernels import logprobs as logprobs_kernel
-    from nanovllm.layers.kernels.logprobs import MAX_K, logprob_stats
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.kernels import logprobs as logprobs_kernel
+    from nanovllm.kernels.logprobs import MAX_K, logprob_stats
+    from nanovllm.sampling.sampler import Sampler
     from nanovllm.sampling_params import SamplingParams
     to_device = lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)  # noqa: E731
     logits = (torch.randn(3, vocab, device=device) * 3).to(torch.bfloat16)
@@ -657,8 +651,7 @@ def check_sampler_logprobs(device="cpu", vocab: int = 3000):
                    SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.3)):
         out = []
         for compiled in (True, False):
-            sampler = Sampler(vocab, device=device)
-            sampler.use_compiled(compiled)
+            sampler = Sampler(vocab, device=device, triton=compiled)
             seqs = [_Seq(params, 10, 0, i) for i in range(3)]
             st = sampler.prepare(seqs, [True] * 3, to_device)
             with unittest.mock.patch.object(logprobs_kernel, "logprob_stats", side_effect=logprob_stats) as kernel:
@@ -678,18 +671,18 @@ def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
     residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
     then F.linear in float32; the new residual exact."""
+    from nanovllm.kernels.gemv import gemv_folded
     from nanovllm.layers import activation, layernorm
-    from nanovllm.layers.kernels.gemv import gemv
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
     h = (torch.randn(m, 2 * k, device=device) * 2).to(dtype)
     ref = torch.nn.functional.linear(activation.silu_and_mul(h).float(), w.float())
-    assert_close(gemv(h, w, gated=True), ref, dtype, f"gated gemv m={m} n={n} k={k}")
+    assert_close(gemv_folded(h, w, gated=True), ref, dtype, f"gated gemv m={m} n={n} k={k}")
     x, residual = ((torch.randn(m, k, device=device) * 3).to(dtype) for _ in range(2))
     nw = (torch.rand(k, device=device) + 0.5).to(dtype)
-    y = gemv(x, w, norm=(nw, 1e-6))
+    y = gemv_folded(x, w, norm=(nw, 1e-6))
     ref = torch.nn.functional.linear(layernorm.rms_norm(x, nw, 1e-6).float(), w.float())
     assert_close(y, ref, dtype, f"normed gemv m={m} n={n} k={k}")
-    y, new_residual = gemv(x, w, norm=(nw, 1e-6), residual=residual)
+    y, new_residual = gemv_folded(x, w, norm=(nw, 1e-6), residual=residual)
     normed, ref_residual = layernorm.add_rms_norm(x, residual, nw, 1e-6)
     assert torch.equal(new_residual, ref_residual)
     assert_close(y, torch.nn.functional.linear(normed.float(), w.float()), dtype, f"add-normed gemv m={m} k={k}")
@@ -698,16 +691,16 @@ def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
 def check_gemv_add_norm(m: int, n: int, k: int, n_next: int, dtype, configs=(None, None), device="cpu"):
     """The RMSNorm folded between two small-batch linear layers (gemv's add_norm, then normed): h = x @ W^T +
     residual and rms_norm(h) * nw @ W2^T + b2 against layernorm.add_rms_norm and F.linear in float32."""
+    from nanovllm.kernels.gemv import gemv_add_norm, gemv_normed
     from nanovllm.layers import layernorm
-    from nanovllm.layers.kernels.gemv import gemv
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
     residual = (torch.randn(m, n, device=device) * 3).to(dtype)
     nw = (torch.rand(n, device=device) + 0.5).to(dtype)
     w2 = (torch.randn(n_next, n, device=device) * n ** -0.5).to(dtype)
     b2 = torch.randn(n_next, device=device).to(dtype)
-    h, rows = gemv(x, w, config=configs[0], add_norm=(residual, nw, 1e-6))
-    y = gemv(rows.x, w2, b2, config=configs[1], normed=rows)
+    h, rows = gemv_add_norm(x, w, None, residual, nw, 1e-6, config=configs[0])
+    y = gemv_normed(rows, w2, b2, config=configs[1])
     ref_y = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
     ref_normed, ref_h = layernorm.add_rms_norm(ref_y, residual, nw, 1e-6)
     what = f"gemv add_norm m={m} n={n} k={k} configs={configs}"
@@ -718,17 +711,18 @@ def check_gemv_add_norm(m: int, n: int, k: int, n_next: int, dtype, configs=(Non
     if n_next % 2 == 0:  # the next layer an MLP's [gate; up], SiLU-and-mul in its epilogue: as the SiLU kernel
         # after the same layer (against ref_next a 1-ulp difference in gate or up can exceed the tolerance)
         from nanovllm.layers.activation import silu_and_mul
-        act = gemv(rows.x, w2, b2, config=configs[1], normed=rows, gated_out=True)
+        act = gemv_normed(rows, w2, b2, gated_out=True, config=configs[1])
         assert_close(act, silu_and_mul(y).float(), dtype, what + ", next gated")
 
 
-def check_decoder_rows_folded(rows: int, dtype, device="cpu", tolerance: dict | None = None):
-    """Three decoder layers and the final norm through DecoderModel.forward_rows (the RMSNorms folded into the
-    projections' kernels) against the plain forward; attention replaced by a fixed map (its kernels have their own
-    checks), so this pins which norm, residual and weight goes where (a wrong one moves outputs by tenths).
-    tolerance: assert_close's, where not the dtype's."""
+def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = None):
+    """Three decoder layers and the final norm through kernels/fused_step.FusedDecodeStep (the norms, residual adds
+    and SiLU-and-mul inside the projections' kernels) against the plain model; attention replaced by a fixed map of
+    qkv (its kernels have their own checks), so this pins which norm, residual and weight goes where (a wrong one
+    moves outputs by tenths). tolerance: assert_close's, where not the dtype's."""
     from types import SimpleNamespace
 
+    from nanovllm.kernels.fused_step import FusedDecodeStep
     from nanovllm.models.decoder import DecoderFlags, DecoderModel
     config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              intermediate_size=96, rms_norm_eps=1e-6, vocab_size=50, max_position_embeddings=64,
@@ -737,54 +731,17 @@ def check_decoder_rows_folded(rows: int, dtype, device="cpu", tolerance: dict | 
     for p in model.parameters():
         p.data.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
     for layer in model.layers:
-        attn = layer.self_attn
         mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> heads * head_dim
-        attn.attend = lambda positions, qkv, project=True, mix=mix, attn=attn: (
-            attn.o_proj(qkv @ mix) if project else qkv @ mix)
+        layer.self_attn.attend = lambda positions, qkv, mix=mix: qkv @ mix
+    step = FusedDecodeStep(SimpleNamespace(model=model), rows_fold=True)
+    assert step.accepts(rows) == (rows == 1 or 9 <= rows <= 16)
     ids = torch.randint(0, 50, (rows,), device=device)
     positions = torch.arange(rows, device=device)
-    model.fold_norms = False
-    want = model(ids, positions)
-    model.fold_norms = True
-    calls, forward_rows = [], model.forward_rows
-    model.forward_rows = lambda *args: calls.append(args) or forward_rows(*args)
-    got = model(ids, positions)
-    from nanovllm.models.decoder import FOLD_MIN_ROWS
-    assert len(calls) == (rows >= FOLD_MIN_ROWS), "forward_rows taken where it should not be, or not taken"
+    want, got = model(ids, positions), step(ids, positions)
     if tolerance is None:
-        assert_close(got, want.float(), dtype, f"decoder rows={rows}, norms folded")
+        assert_close(got, want.float(), dtype, f"fused step, rows={rows}")
     else:
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
-
-
-def check_decoder_layer_small_batch(rows: int, dtype, device="cpu"):
-    """Two decoder layers on one row through forward_small (norms, residual adds and SiLU-and-mul inside the
-    projections' kernels) against the plain forward; attention replaced by a fixed map of qkv (its kernels have
-    their own checks), so this pins which norm, residual and weight goes where."""
-    from types import SimpleNamespace
-
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
-    from nanovllm.models.decoder import DecoderFlags, DecoderLayer
-    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             intermediate_size=96, rms_norm_eps=1e-6)
-    rotary = RotaryEmbedding(16, 64, 10000.0)
-    layers = [DecoderLayer(config, DecoderFlags(), rotary, i).to(device=device, dtype=dtype) for i in range(2)]
-    for layer in layers:
-        for p in layer.parameters():
-            p.data.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-        mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> hidden
-        layer.self_attn.attend = lambda positions, qkv, mix=mix: qkv @ mix
-    hidden = torch.randn(rows, 64, device=device).to(dtype)
-    positions = torch.arange(rows, device=device)
-    outs = []
-    for fused in (False, True):
-        h, residual = hidden, None
-        for layer in layers:
-            layer.fuse_small = fused
-            h, residual = layer(positions, h, residual)
-        outs.append((h, residual))
-    for got, want, what in zip(outs[1], outs[0], ("hidden", "residual")):
-        assert_close(got, want, dtype, f"decoder layers, small-batch path, {what}")
 
 
 DTYPES = [torch.float32, torch.float16]
@@ -820,14 +777,10 @@ def test_gemv_split_k(m, n, k, bias, config, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 37, 300), (1, 40, 5000), (5, 64, 1024)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 37, 300), (1, 40, 5000)])
 def test_gemv_fused_kernel(m, n, k, dtype):
-    # one row: folded into the one-row kernel; past its K or with more rows: the separate kernels, then the layer
+    # one row: folded into the one-row kernel; past its K: the separate kernels, then the layer
     check_gemv_fused(m, n, k, dtype)
-
-
-def test_decoder_layer_small_batch():
-    check_decoder_layer_small_batch(1, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -840,9 +793,9 @@ def test_gemv_add_norm(m, n, k, n_next, configs, dtype):
     check_gemv_add_norm(m, n, k, n_next, dtype, configs)
 
 
-@pytest.mark.parametrize("rows", [8, 9, 16])
-def test_decoder_rows_norms_folded(rows):
-    check_decoder_rows_folded(rows, torch.float16)
+@pytest.mark.parametrize("rows", [1, 9, 16])
+def test_fused_step(rows):
+    check_fused_step(rows, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

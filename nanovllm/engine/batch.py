@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
+from nanovllm.sampling.sampler import SamplingTensors
 
 
 @dataclass

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.layers.context import Context, reset_context, set_context
 
 # Buckets up to this many rows (one process, no tensor parallelism) capture the LM head too and return logits: its
 # kernel's Python launch cost 75-150 us of host time per step, which at batch 1 on a slower CPU set ms/token
@@ -97,7 +97,7 @@ class DecodeGraphs:
 
     def __init__(self, runner):
         cfg, device, backend = runner.config, runner.device, runner.backend
-        self.model, self.backend = runner.model, backend
+        self.model, self.forward_fn, self.backend = runner.model, runner.forward, backend
         self.buckets = decode_buckets(cfg.max_num_seqs)
         self.compile_first = compile_buckets(self.buckets)  # the start-up's compile passes, first and second
         self.compile_later = [b for b in self.buckets if b not in self.compile_first]
@@ -128,7 +128,7 @@ class DecodeGraphs:
         try:
             for bs in buckets:
                 set_context(self.backend.graph_view(self.metadata, bs))
-                self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs]))
+                self.model.compute_logits(self.forward_fn(self.input_ids[:bs], self.positions[:bs]))
         finally:
             reset_context()
 
@@ -155,7 +155,7 @@ class DecodeGraphs:
 
     def _step(self, bs: int) -> torch.Tensor | None:
         """What a bucket's graph runs: the logits of its rows (small buckets), else hidden rows into outputs."""
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        hidden = self.forward_fn(self.input_ids[:bs], self.positions[:bs])
         if bs <= self.logits_rows:
             return self.model.compute_logits(hidden)
         self.outputs[:bs] = hidden

@@ -9,17 +9,17 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
+from nanovllm.checkpoint.loader import check_tokenizer_files, load_generation_config, load_tokenizer
 from nanovllm.config import Config
+from nanovllm.distributed.executor import Executor, UniprocExecutor
 from nanovllm.engine.batch import ScheduledBatch, StepOutput
 from nanovllm.engine.call_guard import CallGuard
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from nanovllm.engine.executor import Executor, UniprocExecutor
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
-from nanovllm.utils.loader import check_tokenizer_files, load_generation_config, load_tokenizer
 
 logger = logging.getLogger("nanovllm")
 
@@ -35,7 +35,7 @@ def _nothing_to_schedule() -> RuntimeError:
 
 def make_executor(config: Config) -> Executor:
     if config.tensor_parallel_size > 1:
-        from nanovllm.engine.tensor_parallel import MultiprocExecutor  # spawns ranks 1..N-1
+        from nanovllm.distributed.tensor_parallel import MultiprocExecutor  # spawns ranks 1..N-1
         return MultiprocExecutor(config)
     return UniprocExecutor(config)
 

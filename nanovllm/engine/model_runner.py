@@ -6,19 +6,18 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from nanovllm.checkpoint.loader import init_dummy_weights, iter_weights, load_named_weights, load_weights
 from nanovllm.config import Config
+from nanovllm.distributed.group import TPGroup, building_for
 from nanovllm.engine import kv_cache, warmup
 from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
-from nanovllm.layers.compile import use_compiled_ops
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.context import reset_context, set_context, to_device_packed
 from nanovllm.models import build_model
-from nanovllm.utils.context import reset_context, set_context, to_device_packed
-from nanovllm.utils.distributed import TPGroup, building_for
-from nanovllm.utils.loader import init_dummy_weights, iter_weights, load_named_weights, load_weights
+from nanovllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("nanovllm")
 
@@ -77,9 +76,12 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = Sampler(config.hf_config.vocab_size, config.eos_token_ids, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        if self.is_cuda and not config.enforce_eager:
-            use_compiled_ops(self.model, True)  # before the warm-up, which compiles them
-            use_compiled_ops(self.sampler, True)
+        # small decode batches on CUDA: the model's forward with the ops between the linear layers folded into
+        # their kernels (kernels/fused_step.py), where the model is one it takes
+        self.fused_step = None
+        if self.is_cuda:  # (a CPU start imports no Triton)
+            from nanovllm.kernels.fused_step import FusedDecodeStep
+            self.fused_step = FusedDecodeStep.build(self.model, config.torch_dtype, self.device)
         with self._phase("warm-up and KV sizing"):
             self.num_kvcache_blocks = kv_cache.count_blocks(self)
         with self._phase("KV allocation"):
@@ -305,6 +307,12 @@ class ModelRunner:
             fb.sampling = self.sampler.prepare(batch.rows, batch.sampled, self._to_device, batch.out_index)
         return fb
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's hidden rows for this step (its Context set): the fused step where it takes the row count."""
+        if self.fused_step is not None and self.fused_step.accepts(input_ids.size(0)):
+            return self.fused_step(input_ids, positions)
+        return self.model(input_ids, positions)
+
     @torch.inference_mode()
     def run_model(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [rows of logits_indices, vocab] on rank 0 (None on the other ranks)."""
@@ -314,7 +322,7 @@ class ModelRunner:
             if logits is not None:  # a small bucket's graph computes them (decode has no prompt rows); they live in
                 return logits  # the graphs' pool until the next replay: this step's sampler is queued before it
         else:
-            hidden = self.model(fb.input_ids, fb.positions)
+            hidden = self.forward(fb.input_ids, fb.positions)
         if fb.prompt_rows is not None:
             fb.prompt_hidden = hidden[fb.prompt_rows]
         return self.model.compute_logits(hidden)

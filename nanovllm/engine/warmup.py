@@ -13,8 +13,8 @@ import torch
 
 from nanovllm.engine.batch import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.utils.context import reset_context
+from nanovllm.layers.context import reset_context
+from nanovllm.sampling.sampler import SamplingTensors
 
 COMPILE_THREADS = 16  # at most this many Triton compiles at once (each is one CPU thread, mostly outside the GIL)
 
@@ -196,8 +196,8 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
     """The race on float32 logits (a batch with a logits processor or a filter converts them) and keyed for seeded
     rows, for the batch and one row; seeded rows' draws by token id (top-k / top-p); the three penalty variants;
     the logprobs kernel on both types. Each called once on zeros."""
-    from nanovllm.layers.kernels.penalties import apply_penalties
-    from nanovllm.layers.kernels.race import exp_draws, race
+    from nanovllm.kernels.penalties import apply_penalties
+    from nanovllm.kernels.race import exp_draws, race
     rows, vocab = logits.shape
     device = logits.device
     seed = torch.zeros(1, dtype=torch.int64, device=device)
@@ -207,7 +207,7 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
     for x, keyed in ((logits, True), (floats, False), (floats, True)):
         for n in (rows, 1):
             race(x[:n], temperatures[:n], seed=seed, **(dict(keys=keys[:n], streams=streams[:n]) if keyed else {}))
-    from nanovllm.layers.kernels.logprobs import logprob_stats
+    from nanovllm.kernels.logprobs import logprob_stats
     for x in (logits, floats):  # logprobs: one kernel for every k (16-bit logits; float32 after a processor)
         logprob_stats(x, 1)
     ids = torch.zeros(rows, 20, dtype=torch.int64, device=device)  # (the candidate count is not specialized on)

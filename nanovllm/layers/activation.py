@@ -10,17 +10,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fn = silu_and_mul
-
-    def use_compiled(self, enabled: bool = True):
-        """On CUDA: one Triton pass (layers/kernels/activation.py); this module's function is its reference."""
-        if enabled:
-            from nanovllm.layers.kernels.activation import silu_and_mul as triton_silu_and_mul
-            self.fn = triton_silu_and_mul
-        else:
-            self.fn = silu_and_mul
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+        """On CUDA one Triton pass (kernels/activation.py); silu_and_mul above is its reference and the CPU path."""
+        if x.is_cuda:
+            from nanovllm.kernels.activation import silu_and_mul as triton_silu_and_mul
+            return triton_silu_and_mul(x)
+        return silu_and_mul(x)

@@ -2,10 +2,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import linear, matmul_fn
-from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-from nanovllm.utils.loader import check_weight_shape
+from nanovllm.checkpoint.loader import check_weight_shape
+from nanovllm.distributed.group import all_reduce, get_tp_group, get_tp_rank, get_tp_size
+from nanovllm.layers.context import get_context
+from nanovllm.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,17 +41,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if bias:
             raise ValueError("LM heads with a bias are not supported")
-        self.matmul = linear
         self.packed: torch.Tensor | None = None  # a tied head's oneDNN copy on CPU (layers/cpu_weights.py)
-
-    def use_compiled(self, enabled: bool = True):
-        self.matmul = matmul_fn(enabled)  # the logits of a few rows: as the linear layers
 
     def forward(self, x: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
         indices = None if all_rows else get_context().logits_indices
         if indices is not None:
             x = x[indices]
-        logits = self.matmul(x, self.weight if self.packed is None else self.packed)
+        logits = linear(x, self.weight if self.packed is None else self.packed)
         if self.tp_size == 1:
             return logits
         parts = self.tp_group.gather(logits, 0)

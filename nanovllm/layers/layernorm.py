@@ -21,18 +21,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
-
-    def use_compiled(self, enabled: bool = True):
-        """On CUDA: one Triton kernel per call (layers/kernels/norm.py); this module's functions are the reference."""
-        if enabled:
-            from nanovllm.layers.kernels import norm
-            self.norm_fn, self.add_norm_fn = norm.rms_norm, norm.add_rms_norm
-        else:
-            self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`, adds it first and returns (normed, new residual)."""
-        if residual is None:
-            return self.norm_fn(x, self.weight, self.eps)
-        return self.add_norm_fn(x, residual, self.weight, self.eps)
+        """With `residual`, adds it first and returns (normed, new residual). On CUDA one Triton kernel
+        (kernels/norm.py); the functions above are its reference and the CPU path."""
+        if x.is_cuda:
+            from nanovllm.kernels import norm
+            fn, add_fn = norm.rms_norm, norm.add_rms_norm
+        else:
+            fn, add_fn = rms_norm, add_rms_norm
+        return fn(x, self.weight, self.eps) if residual is None else add_fn(x, residual, self.weight, self.eps)

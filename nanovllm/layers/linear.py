@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.checkpoint.loader import check_weight_shape
+from nanovllm.distributed.group import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.layers import cpu_weights
-from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-from nanovllm.utils.loader import check_weight_shape
 
-SMALL_BATCH_ROWS = 16  # up to this many rows the small-batch kernel (layers/kernels/gemv.py's MAX_ROWS) beats cuBLAS
+SMALL_BATCH_ROWS = 16  # up to this many rows the small-batch kernel (kernels/gemv.py's MAX_ROWS) beats cuBLAS
 
 
 def small_batch_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -18,38 +18,28 @@ def small_batch_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row for the small-batch kernel (batch-1 decode): the decoder layer folds its norms into the matmuls."""
-    return x.shape[0] == 1 and small_batch_rows(x, weight)
-
-
 CPU_TRANSPOSED_ROWS = 64  # on CPU, 2 to this many float32 rows are multiplied as (W @ x^T)^T (linear below)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CPU, 2-64 float32 rows (decode) as (W @ x^T)^T, which MKL runs as a tall-skinny product that
-    streams W at twice the rate: on 2 cores (AVX2 EPYC) the bundled 135M model's matmuls per decode step took 83 ms
-    at 4 rows with F.linear and 46 ms so (16 rows: 97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both).
-    A weight the runner packed for oneDNN (layers/cpu_weights.py, faster still) goes there."""
+    """F.linear, with the fastest path for the device:
+    - CUDA, 1-16 rows of a 16-bit model (small-batch decode): the Triton kernel of kernels/gemv.py, a read of W that
+      cuBLAS does slower at these shapes;
+    - CPU: a weight the runner packed for oneDNN (layers/cpu_weights.py); else 2-64 float32 rows (decode) as
+      (W @ x^T)^T, which MKL runs as a tall-skinny product that streams W at twice the rate: on 2 cores (AVX2 EPYC)
+      the bundled 135M model's matmuls per decode step took 83 ms at 4 rows with F.linear and 46 ms so (16 rows:
+      97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both)."""
+    if x.is_cuda:
+        if small_batch_rows(x, weight):
+            from nanovllm.kernels.gemv import gemv
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
     if weight.is_mkldnn:
         return cpu_weights.linear(x, weight, bias)
-    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_ROWS and \
-            x.dtype == torch.float32:
+    if x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_ROWS and x.dtype == torch.float32:
         y = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
         return y.t().contiguous()
     return F.linear(x, weight, bias)
-
-
-def matmul_fn(small_batch_kernel: bool):
-    """linear, or (CUDA runs) F.linear with a few 16-bit rows (small-batch decode) through the Triton kernel of
-    layers/kernels/gemv.py."""
-    if not small_batch_kernel:
-        return linear
-    from nanovllm.layers.kernels import gemv
-
-    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv.gemv(x, weight, bias) if small_batch_rows(x, weight) else F.linear(x, weight, bias)
-    return matmul
 
 
 class LinearBase(nn.Module):
@@ -68,25 +58,6 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.matmul = linear
-
-    def use_compiled(self, enabled: bool = True):
-        self.matmul = matmul_fn(enabled)
-
-    def forward_normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
-        """(self(norm(x, residual)), new residual) with the RMSNorm and the residual add inside the small-batch
-        kernel (layers/kernels/gemv.py; the caller checks one_row). Column-parallel layers only (no
-        all-reduce)."""
-        from nanovllm.layers.kernels.gemv import gemv
-        out = gemv(x, self.weight, self.bias, norm=(norm.weight, norm.eps), residual=residual)
-        return out if residual is not None else (out, x)
-
-    def forward_from_normed(self, rows, gated_out: bool = False) -> torch.Tensor:
-        """self(rms_norm(h)) from gemv.NormedRows (the norm folded into the small-batch kernel; 2-16 rows, the
-        caller checks); gated_out: an MLP's [gate, up], returns silu_and_mul of it from the kernel's epilogue.
-        Column-parallel layers only (no all-reduce)."""
-        from nanovllm.layers.kernels.gemv import gemv
-        return gemv(rows.x, self.weight, self.bias, normed=rows, gated_out=gated_out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
@@ -107,7 +78,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -117,7 +88,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // get_tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -157,20 +128,6 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size // get_tp_size(), output_size, bias, 1)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """gated: x is an MLP's [gate, up] and the layer reads silu(gate) * up inside the small-batch kernel
-        (layers/kernels/gemv.py; the caller checks one_row)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None  # rank 0 alone adds it: the all-reduce adds it once
-        if gated:
-            from nanovllm.layers.kernels.gemv import gemv
-            y = gemv(x, self.weight, bias, gated=True)
-        else:
-            y = self.matmul(x, self.weight, bias)
-        return all_reduce(y, self.tp_group)
-
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
-        """(h, rows): h = self(x) + residual (the new residual) and rows = gemv.NormedRows, the next layer's input
-        with `norm` folded in (forward_from_normed), from the small-batch kernel's epilogue. One rank only (the
-        sum would need the all-reduce first); 2-16 rows, the caller checks."""
-        from nanovllm.layers.kernels.gemv import gemv
-        return gemv(x, self.weight, self.bias, add_norm=(residual, norm.weight, norm.eps))
+        return all_reduce(linear(x, self.weight, bias), self.tp_group)

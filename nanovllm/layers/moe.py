@@ -4,15 +4,15 @@ Expert weights are stacked per layer: gate_up_proj [E, 2 * I, H] (gate rows, the
 [E, H, I], the layout transformers keeps in memory. Under tensor parallelism every rank holds every expert's I/tp
 slice of both, so a rank's output is a partial sum, all-reduced once per layer as for the dense MLP.
 
-On CUDA the experts run in the fused Triton kernel (layers/kernels/fused_moe.py); elsewhere in
+On CUDA the experts run in the fused Triton kernel (kernels/fused_moe.py); elsewhere in
 `fused_experts_torch`, which is also the kernel's test oracle."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.checkpoint.loader import check_weight_shape
+from nanovllm.distributed.group import all_reduce, get_tp_group, get_tp_rank, get_tp_size
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.utils.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-from nanovllm.utils.loader import check_weight_shape
 
 GATE, UP = 0, 1  # the parts of gate_up_proj, as shard ids of the per-expert checkpoint tensors
 
@@ -56,7 +56,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The experts' weighted sum [T, H], on whatever device x is (see fused_experts_torch for the shapes)."""
     if x.is_cuda:  # the Triton kernel: no host syncs, fixed shapes (CUDA graphs)
-        from nanovllm.layers.kernels.fused_moe import fused_moe
+        from nanovllm.kernels.fused_moe import fused_moe
         return fused_moe(x, gate_up, down, topk_weights, topk_ids)
     return fused_experts_torch(x, gate_up, down, topk_weights, topk_ids)
 

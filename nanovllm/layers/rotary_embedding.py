@@ -3,8 +3,6 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import compiled
-
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3 rope scaling: long wavelengths slowed by `factor`, a smooth ramp in between."""
@@ -36,18 +34,12 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
             cache = torch.cat([freqs.cos(), freqs.sin()], -1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-        self.fn = apply_rotary
         self._rows: tuple | None = None  # (positions, their cache rows): every layer of a step shares them
 
-    def use_compiled(self, enabled: bool = True):
-        self.fn = compiled(apply_rotary) if enabled else apply_rotary
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        if self.fn is not apply_rotary:
-            return self.fn(positions, q, k, self.cos_sin_cache)
-        if self._rows is None or self._rows[0] is not positions:  # one gather per step, not per layer (CPU)
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. (On CUDA the decoder runs the rotary in
+        kernels/rope.py, with the q/k norms, where the head size allows; this is the reference and the rest.)"""
+        if self._rows is None or self._rows[0] is not positions:  # one gather per step, not per layer
             self._rows = (positions, self.cos_sin_cache[positions])
         return apply_rotary(positions, q, k, self._rows[1], gathered=True)
 

@@ -10,22 +10,9 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    one_row,
-    small_batch_rows,
-)
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import GATE, UP, SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-
-# Fewest rows that take DecoderModel.forward_rows (up to the small-batch kernel's 16). Measured on one H200 at
-# Qwen3-0.6B's shapes (docs/benchmarks.md, 2026-12-04, thirtieth session), ms/token at contexts 512-640: the norms
-# folded (without -> with): batch 16 1.177-1.187 -> 1.108-1.118, batch 12 1.098-1.130 -> 1.065-1.123, batch 8
-# 1.079-1.089 -> 1.105-1.118 (slower), batch 4 0.986-1.034 -> 1.008-1.009, batch 2 0.966-0.985 -> 0.946-0.952;
-# SiLU-and-mul in gate_up's epilogue on top: batch 16 1.118-1.119 -> 1.088-1.094, batch 12 about the same.
-FOLD_MIN_ROWS = 9
 
 
 @dataclass
@@ -83,37 +70,31 @@ class DecoderAttention(nn.Module):
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.fused_rope = None  # on CUDA: q/k norm and rotary in one Triton kernel, in place
-
-    def use_compiled(self, enabled: bool = True):
         half = self.head_dim // 2
-        self.fused_rope = None
-        if enabled and half & (half - 1) == 0:
-            from nanovllm.layers.kernels.rope import qk_norm_rope_
-            self.fused_rope = qk_norm_rope_
+        self.rope_kernel_fits = half & (half - 1) == 0  # kernels/rope.py takes heads whose half is a power of two
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x))
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, project: bool = True) -> torch.Tensor:
-        """Everything after the qkv projection: q/k norm, rotary, attention, and o_proj where `project`."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """What comes between the projections: q/k norm, rotary, attention; [tokens, heads * head_dim]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         stored = False
-        if self.fused_rope is not None:  # (and the K/V store where Attention.store_target allows it)
+        if q.is_cuda and self.rope_kernel_fits:  # one Triton kernel, in place (and the K/V store where it may)
+            from nanovllm.kernels.rope import qk_norm_rope_
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             target = self.attn.store_target()
-            q, k = self.fused_rope(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,
-                                   store=(v, *target) if target is not None else None)
+            q, k = qk_norm_rope_(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,
+                                 store=(v, *target) if target is not None else None)
             stored = target is not None
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, stored=stored).flatten(1, -1)
-        return self.o_proj(o) if project else o
+        return self.attn(q, k, v, stored=stored).flatten(1, -1)
 
 
 class DecoderMLP(nn.Module):
@@ -143,14 +124,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(config, flags)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fuse_small = False  # CUDA: one row takes forward_small
-
-    def use_compiled(self, enabled: bool = True):
-        self.fuse_small = enabled and isinstance(self.mlp, DecoderMLP)
 
     def forward(self, positions, hidden, residual):
-        if self.fuse_small and one_row(hidden, self.self_attn.qkv_proj.weight):
-            return self.forward_small(positions, hidden, residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -158,16 +133,6 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def forward_small(self, positions, hidden, residual):
-        """The same layer for one 16-bit row (batch-1 decode): both RMSNorms and residual adds run inside the next
-        projection's kernel, SiLU-and-mul inside the down projection's (layers/kernels/gemv.py's one-row kernel,
-        which holds the whole row of x anyway): three kernels fewer per layer."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_normed(hidden, self.input_layernorm, residual)
-        hidden = attn.attend(positions, qkv)
-        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, self.post_attention_layernorm, residual)
-        return mlp.down_proj(gate_up, gated=True), residual
 
 
 class DecoderModel(nn.Module):
@@ -180,41 +145,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fold_norms = False  # CUDA, one GPU, dense MLPs: FOLD_MIN_ROWS-16 rows take forward_rows
-
-    def use_compiled(self, enabled: bool = True):
-        self.fold_norms = (enabled and all(isinstance(layer.mlp, DecoderMLP) for layer in self.layers)
-                           and self.layers[0].self_attn.o_proj.tp_size == 1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        if (self.fold_norms and hidden.shape[0] >= FOLD_MIN_ROWS
-                and small_batch_rows(hidden, self.layers[0].self_attn.qkv_proj.weight)):
-            return self.forward_rows(positions, hidden)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def forward_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The same layers for 2-16 16-bit rows on one GPU (small-batch decode), the RMSNorms between layers folded
-        into the projections' kernels (layers/kernels/gemv.py's add_norm): o_proj and down add the residual and
-        hand the next projection (gate_up, the next layer's qkv) its input with the norm folded in, and gate_up's
-        epilogue does SiLU-and-mul: three kernels fewer a layer (the step runs two norm kernels, the first and the
-        last)."""
-        layers = self.layers
-        rows, residual = None, hidden
-        x = layers[0].input_layernorm(hidden)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(x) if rows is None else attn.qkv_proj.forward_from_normed(rows)
-            o = attn.attend(positions, qkv, project=False)
-            residual, rows = attn.o_proj.forward_add_norm(o, residual, layer.post_attention_layernorm)
-            act = mlp.gate_up_proj.forward_from_normed(rows, gated_out=True)
-            if i + 1 < len(layers):
-                residual, rows = mlp.down_proj.forward_add_norm(act, residual, layers[i + 1].input_layernorm)
-            else:
-                hidden, _ = self.norm(mlp.down_proj(act), residual)
         return hidden
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.attention.base import AttentionBackend
-from nanovllm.utils.context import get_context
+from nanovllm.layers.context import get_context
 
 BACKENDS = ("torch", "triton", "flash_attn")
 

@@ -3,7 +3,7 @@ import itertools
 import torch
 
 from nanovllm.layers.attention.fp8 import is_fp8
-from nanovllm.utils.context import Context, ToDevice, to_device_packed
+from nanovllm.layers.context import Context, ToDevice, to_device_packed
 
 
 class AttentionBackend:

@@ -2,7 +2,7 @@
 import torch
 
 from nanovllm.layers.attention.base import AttentionBackend
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 PAGED_BLOCK_MULTIPLE = 256  # flash-attn's paged KV wants block_size % 256 == 0
 
@@ -25,7 +25,7 @@ class FlashAttention(AttentionBackend):
         except ImportError as e:
             raise ImportError("attention_backend='flash_attn' needs the flash-attn package: pip install flash-attn "
                               "(or use attention_backend='triton')") from e
-        from nanovllm.layers.kernels.store_kvcache import store_kvcache
+        from nanovllm.kernels.store_kvcache import store_kvcache
         self._varlen, self._with_kvcache, self._store = flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.fp8 import dequantize, quantize, raw
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,

@@ -1,11 +1,11 @@
-"""Attention through our Triton kernels (nanovllm/layers/kernels): paged KV, split-K decode."""
+"""Attention through our Triton kernels (nanovllm/kernels): paged KV, split-K decode."""
 import torch
 
+from nanovllm.kernels.decode import decode_attention
+from nanovllm.kernels.prefill import prefill_attention
+from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention.base import AttentionBackend
-from nanovllm.layers.kernels.decode import decode_attention
-from nanovllm.layers.kernels.prefill import prefill_attention
-from nanovllm.layers.kernels.store_kvcache import store_kvcache
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 
 class TritonAttention(AttentionBackend):

@@ -6,7 +6,7 @@ rows). GrammarCompiler turns it into an xgrammar grammar, compiled once per dist
 (every sample of n) a matcher of its own. xgrammar is an optional dependency (`pip install "nanovllm[structured]"`),
 imported only when a constrained request arrives. The per-step host work, advancing the matchers and filling the
 bitmask, runs on several threads (accept_tokens, fill_bitmasks); the bitmask is applied by
-layers/logits_processors.py's GrammarProcessor."""
+sampling/logits_processors.py's GrammarProcessor."""
 import functools
 import json
 import os
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
-from nanovllm.json_schema import check_schema
+from nanovllm.sampling.json_schema import check_schema
 
 INSTALL_HINT = 'structured outputs need xgrammar: pip install "nanovllm[structured]"'
 KINDS = ("json", "json_object", "regex", "choice", "grammar")

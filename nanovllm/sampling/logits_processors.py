@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.utils.context import ToDevice
+from nanovllm.layers.context import ToDevice
 
 
 class LogitsProcessor:
@@ -58,18 +58,15 @@ class PenaltiesProcessor(LogitsProcessor):
     [lines, vocab] buffers (tokens seen in prompt or output; counts of output tokens), filled once from the
     sequence's tokens and then updated with one scatter per step for the whole batch. Nothing here waits for the
     device (no boolean indexing, no blocking copies), so under async scheduling the host prepares the next step
-    while this one runs. On CUDA the penalties are one Triton pass (layers/kernels/penalties.py)."""
+    while this one runs. On CUDA the penalties are one Triton pass (kernels/penalties.py)."""
 
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool = False):
         self.vocab_size, self.device = vocab_size, device
         self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.lines: dict[int, tuple[int, object]] = {}  # seq_id -> (line, sequence)
         self.free_lines: list[int] = []
-        self.fused = False
-
-    def use_compiled(self, enabled: bool = True):
-        self.fused = enabled
+        self.fused = fused  # one Triton pass (kernels/penalties.py); the torch ops below are its reference
 
     def _grow(self):
         n = max(16, self.seen.size(0))
@@ -114,7 +111,7 @@ class PenaltiesProcessor(LogitsProcessor):
 
     def apply(self, logits, state):
         if self.fused:
-            from nanovllm.layers.kernels.penalties import apply_penalties
+            from nanovllm.kernels.penalties import apply_penalties
             return apply_penalties(logits, state["lines"], self.seen, self.counts, state.get("repetition"),
                                    state.get("presence"), state.get("frequency"))
         return self.apply_torch(logits, state)
@@ -162,7 +159,7 @@ class GrammarProcessor(LogitsProcessor):
         return GrammarState(rows, [seqs[i] for i in rows], to_device) if rows else None
 
     def apply(self, logits, state):
-        from nanovllm.structured_outputs import fill_bitmasks, require_xgrammar
+        from nanovllm.sampling.structured_outputs import fill_bitmasks, require_xgrammar
         xgr = require_xgrammar()
         # A sequence that ended after this step was prepared (async scheduling settles the step before while this
         # one runs) samples a token nobody reads: its row allows every token (its matcher has no mask to give).

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.distributed.channel import ChannelEnd, RpcChannel
+from nanovllm.distributed.executor import Executor, check_rpc_call
+from nanovllm.distributed.group import TPGroup
+from nanovllm.distributed.process import leave_now
 from nanovllm.engine.batch import ScheduledBatch
-from nanovllm.engine.channel import ChannelEnd, RpcChannel
-from nanovllm.engine.executor import Executor, check_rpc_call
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.utils.distributed import TPGroup
-from nanovllm.utils.process import leave_now
 
 logger = logging.getLogger("nanovllm")
 
@@ -390,4 +390,4 @@ def worker_main(config: Config, rank: int, port: int, end: ChannelEnd, conn: con
     group.close()
     conn.close()
     logger.debug("group closed in %.2fs", time.monotonic() - t)
-    leave_now(0)  # no interpreter teardown (utils/process.py)
+    leave_now(0)  # no interpreter teardown (distributed/process.py)

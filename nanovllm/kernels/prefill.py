@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
+from nanovllm.kernels.paged_kv import fp8_pv, kv_rows, token_major_rows
 
 LOG2E = 1.4426950408889634
 

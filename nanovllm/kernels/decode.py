@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels import decode_tma
-from nanovllm.layers.kernels.paged_kv import fp8_pv, kv_rows, split_partials, token_major_rows
-from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import split_counters
+from nanovllm.kernels.hopper import decode_tma
+from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
+from nanovllm.kernels.paged_kv import fp8_pv, kv_rows, split_partials, token_major_rows
+from nanovllm.kernels.scratch import split_counters
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # aim for this many decode programs per SM when splitting

@@ -1,5 +1,5 @@
 """What a step's logprobs need from the logits, in one read of them: each row's logsumexp and its k largest logits
-with their ids (layers/sampler.py subtracts the one from the others). torch took a float32 copy of the logits,
+with their ids (sampling/sampler.py subtracts the one from the others). torch took a float32 copy of the logits,
 logsumexp and topk over it: 1,006 us at batch 256 (Qwen3's 151,936-token vocabulary, one H200) against 78 for the
 sampling itself (docs/benchmarks.md).
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.race import race_chunks
+from nanovllm.kernels.race import race_chunks
 
 MAX_K = 32  # logprobs=k up to this many take the kernel (vLLM's default cap is 20); more take torch.topk
 

@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels import activation
-from nanovllm.layers.kernels import norm as norm_kernels
-from nanovllm.layers.kernels.decode import sm_count
-from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import scratch, split_counters
+from nanovllm.kernels import activation
+from nanovllm.kernels import norm as norm_kernels
+from nanovllm.kernels.decode import sm_count
+from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
+from nanovllm.kernels.scratch import scratch, split_counters
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
@@ -256,62 +256,91 @@ class NormedRows:
     eps: float
 
 
+def _check(ok: bool, what: str, **shapes):
+    if not ok:
+        raise ValueError(f"gemv: {what}; got " + ", ".join(f"{k} {tuple(v.shape) if isinstance(v, torch.Tensor) else v}"
+                                                     for k, v in shapes.items()))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, ...] | None = None, row_kernel: bool | None = None,
-         pdl: bool | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None, add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-         normed: NormedRows | None = None, gated_out: bool = False):
-    """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both with unit stride along K. One row up to
-    ROW_MAX_K takes the one-row kernel, with PDL where the GPU has it. The op before the layer, folded into the
-    one-row kernel (else run as its own kernel first): gated, x is [M, 2K] and the layer reads silu_and_mul(x);
-    norm=(weight, eps), the layer reads rms_norm(x) or, with a residual, rms_norm(x + residual), and returns
-    (y, x + residual). 2-16 rows, the RMSNorm between two layers (general kernel): add_norm=(residual, the next
-    norm's weight, its eps) returns (h, NormedRows) with h = y + residual; normed=NormedRows: the layer reads
-    rms_norm(h) * weight (x is then normed.x). gated_out (2-16 rows): weight is an MLP's [gate; up] and the layer
-    returns silu_and_mul of its output, [M, N/2]. Benchmarks: config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
-    K-splits[, swapped]]) picks the general kernel's tile (K-splits 0: the default count), row_kernel and pdl force
-    choices."""
-    if normed is not None:
-        x = normed.x
-    m, width = x.shape
+         config: tuple[int, ...] | None = None, row_kernel: bool | None = None, pdl: bool | None = None):
+    """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both unit-stride along K. One row up to ROW_MAX_K
+    takes the one-row kernel (under PDL where the GPU has it), 2-16 rows the general kernel. For benchmarks and
+    tests: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the general kernel's tile
+    (K-splits 0: the default count); row_kernel and pdl force those choices."""
+    m, k = x.shape
+    _check(m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and weight.shape[1] == k
+           and (not row_kernel or m == 1), "x [1-16, K] and weight [N, K], unit stride along K (row_kernel: one row)",
+           x=x, weight=weight)
+    if row_kernel if row_kernel is not None else (m == 1 and k <= ROW_MAX_K and config is None):
+        return _row(x, weight, bias, pdl=pdl)
+    return _general(x, weight, bias, config)
+
+
+def gemv_folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+                gated: bool = False, pdl: bool | None = None):
+    """One row, with the op before the layer folded into the one-row kernel (run as its own kernel first where K
+    exceeds ROW_MAX_K): gated, x is [1, 2K] and the layer reads silu_and_mul(x); norm=(weight, eps), the layer reads
+    rms_norm(x), or with a residual rms_norm(x + residual) and returns (y, x + residual)."""
+    k = weight.shape[1]
+    _check(x.shape[0] == 1 and x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1
+           and (residual is None or (norm is not None and residual.shape == x.shape)),
+           "one row of K (gated: 2K) and a residual only with a norm", x=x, weight=weight,
+           residual=residual if residual is not None else "none")
+    if k <= ROW_MAX_K:
+        return _row(x, weight, bias, pdl=pdl, gated=gated, norm=norm, residual=residual)
+    new_residual = None
+    if gated:
+        x = activation.silu_and_mul(x)
+    if residual is not None:
+        x, new_residual = norm_kernels.add_rms_norm(x, residual, *norm)
+    elif norm is not None:
+        x = norm_kernels.rms_norm(x, *norm)
+    y = _general(x, weight, bias)
+    return (y, new_residual) if residual is not None else y
+
+
+def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, config: tuple[int, ...] | None = None):
+    """2-16 rows, the first half of an RMSNorm folded between two layers: returns (h, NormedRows) with h = x @ W^T
+    (+ bias) + residual, the new residual, and the next layer's input with the norm's weight applied (gemv_normed
+    takes it)."""
+    m, n = x.shape[0], weight.shape[0]
+    _check(1 < m <= MAX_ROWS and residual.shape == (m, n) and residual.is_contiguous() and norm_weight.shape == (n,),
+           "2-16 rows, a contiguous residual [M, N] and a norm weight [N]", x=x, weight=weight, residual=residual,
+           norm_weight=norm_weight)
+    return _general(x, weight, bias, config, add_norm=(residual, norm_weight, eps))
+
+
+def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | None = None,
+                gated_out: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The layer after gemv_add_norm: rms_norm(h) @ W^T (+ bias) from its NormedRows. gated_out: weight is an MLP's
+    [gate; up] and the layer returns silu_and_mul of its output, [M, N/2], from the kernel's epilogue."""
+    _check(1 < rows.x.shape[0] <= MAX_ROWS and (not gated_out or weight.shape[0] % 2 == 0),
+           "2-16 rows (gated_out: an even N)", x=rows.x, weight=weight)
+    return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out)
+
+
+def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None):
     n, k = weight.shape
-    folds = add_norm is not None or normed is not None or gated_out
-    if not (m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and width == (2 * k if gated else k)
-            and (residual is None or (norm is not None and residual.shape == x.shape))
-            and (not row_kernel or m == 1)  # the one-row kernel reads row 0 only
-            and (not folds or (1 < m and not (gated or norm is not None or row_kernel)))
-            and (not gated_out or (n % 2 == 0 and add_norm is None))
-            and (add_norm is None or (add_norm[0].shape == (m, n) and add_norm[0].is_contiguous()
-                                      and add_norm[1].shape == (n,)))):
-        raise ValueError(f"gemv: x {tuple(x.shape)} (strides {x.stride()}), weight {tuple(weight.shape)}, gated "
-                         f"{gated}, residual {None if residual is None else tuple(residual.shape)}, row_kernel "
-                         f"{row_kernel}, add_norm {None if add_norm is None else tuple(add_norm[0].shape)}, normed "
-                         f"{normed is not None}, gated_out {gated_out} do not fit (add_norm, normed and gated_out: "
-                         "2-16 rows, no other fold; gated_out: an even N, no add_norm)")
-    if row_kernel is None:
-        row_kernel = m == 1 and k <= ROW_MAX_K and config is None
-    if not row_kernel and (gated or norm is not None):  # the op as its own kernel, then the layer
-        new_residual = None
-        if gated:
-            x = activation.silu_and_mul(x)
-        if residual is not None:
-            x, new_residual = norm_kernels.add_rms_norm(x, residual, *norm)
-        elif norm is not None:
-            x = norm_kernels.rms_norm(x, *norm)
-        y = gemv(x, weight, bias, config, row_kernel=False)
-        return (y, new_residual) if residual is not None else y
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    pdl = pdl_enabled(x.device) if pdl is None else pdl
+    res_out = torch.empty_like(residual) if residual is not None else y
+    residual = residual.contiguous() if residual is not None else x
+    block_n, block_k, warps = row_config(n, k)
+    _gemv_row_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
+        res_out, n, k, weight.stride(0), norm[1] if norm is not None else 0.0, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
+        num_warps=warps, **pdl_launch(pdl))
+    return (y, res_out) if res_out is not y else y
+
+
+def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out=False):
+    m, k = x.shape
+    n = weight.shape[0]
     y = torch.empty(m, n // 2 if gated_out else n, dtype=x.dtype, device=x.device)
-    if row_kernel:
-        pdl = pdl_enabled(x.device) if pdl is None else pdl
-        res_out = torch.empty_like(residual) if residual is not None else y
-        residual = residual.contiguous() if residual is not None else x
-        block_n, block_k, warps = row_config(n, k)
-        _gemv_row_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
-            res_out, n, k, weight.stride(0), norm[1] if norm is not None else 0.0, BLOCK_N=block_n, BLOCK_K=block_k,
-            HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
-            num_warps=warps, **pdl_launch(pdl))
-        return (y, res_out) if res_out is not y else y
     if config is None:
         swap = swapped(m, n, k, x.device, x.dtype)
         block_n, block_k, warps, stages, split = *gemv_config(m, n, k, swap), 0

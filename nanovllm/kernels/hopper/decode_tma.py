@@ -34,17 +34,15 @@ and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 
 split-K -> this): 16 x 640 16.3 -> 15.1, 32 x 640 28.6 -> 18.9, 16 x 2,048 36.2 -> 36.3; decode at batch 16
 1.253-1.261 -> 1.179-1.185 ms/token (as bf16; 1.144-1.170 with chunk_tiles_for's short chunks), batch 32
 1.954-1.958 -> 1.579-1.589 (bf16: 1.73).
-NANOVLLM_DECODE_TMA=0 turns it off (for comparison).
 """
 import functools
-import os
 
 import torch
 
+from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
+from nanovllm.kernels.paged_kv import split_partials
+from nanovllm.kernels.scratch import split_counters
 from nanovllm.layers.attention.fp8 import is_fp8
-from nanovllm.layers.kernels.paged_kv import split_partials
-from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.scratch import split_counters
 
 try:
     from triton.experimental import gluon
@@ -272,7 +270,7 @@ def stages_for(programs: int, max_context_len: int, sm_count: int, fp8: bool = F
     (batch 16 decode 1.177-1.178 against 1.223 ms/token); 32 x 640 23.7 with 3, 26.7 with 4. An fp8 cache takes
     three where every pair has an SM too: its contexts are then cut in short chunks (chunk_tiles_for), two
     programs an SM."""
-    if os.environ.get("NANOVLLM_DECODE_TMA", "1") == "0" or gluon is None:
+    if gluon is None:
         return 0
     if not MIN_PROGRAMS <= programs <= 2 * sm_count or max_context_len > MAX_CONTEXT:
         return 0

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
+from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Read checkpoints: config, tokenizer, EOS ids and (hf_name, tensor) pairs.
 
 A model is a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file; a GGUF file
-is converted once into a cached directory of the same kind (see nanovllm/utils/gguf.py)."""
+is converted once into a cached directory of the same kind (see nanovllm/checkpoint/gguf.py)."""
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -10,7 +10,7 @@ from glob import glob
 import torch
 from torch import nn
 
-from nanovllm.utils.plain_config import read_plain_config
+from nanovllm.checkpoint.plain_config import read_plain_config
 
 
 def resolve_checkpoint(model: str) -> str:
@@ -18,7 +18,7 @@ def resolve_checkpoint(model: str) -> str:
     if not os.path.exists(model):
         raise ValueError(f"model path {model!r} does not exist; pass a checkpoint directory or a .gguf file")
     if os.path.isfile(model):
-        from nanovllm.utils.gguf import gguf_checkpoint_dir
+        from nanovllm.checkpoint.gguf import gguf_checkpoint_dir
         return gguf_checkpoint_dir(model)
     if not os.path.exists(os.path.join(model, "config.json")):
         ggufs = glob(os.path.join(model, "*.gguf"))
@@ -57,7 +57,7 @@ def check_tokenizer_files(model: str) -> None:
 def load_tokenizer(model: str):
     check_tokenizer_files(model)
     path = resolve_checkpoint(model)
-    from nanovllm.utils.gguf import recorded_tokenizer_class
+    from nanovllm.checkpoint.gguf import recorded_tokenizer_class
     name = recorded_tokenizer_class(path)
     try:
         if name is not None:

@@ -25,16 +25,14 @@ still lets a kernel after it that is launched under PDL start early (the 1-16-ro
 that is not launched early: an fp8 or float32 cache, or splits of 3 or more tiles). CUDA graphs keep the launch
 attribute."""
 import functools
-import os
 
 import torch
 
 
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
-    """On Hopper and later GPUs (NANOVLLM_PDL=0 turns it off, for comparison)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-            and os.environ.get("NANOVLLM_PDL", "1") != "0")
+    """On Hopper and later GPUs."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_launch(on: bool) -> dict:

@@ -1,4 +1,4 @@
-"""Repetition, presence and frequency penalties in one pass over float32 logits (layers/logits_processors.py's
+"""Repetition, presence and frequency penalties in one pass over float32 logits (sampling/logits_processors.py's
 PenaltiesProcessor.apply_torch is the reference). Each program reads its row's history through the row index, in
 place in the processor's buffers: the torch form first gathers the batch's [batch, vocab] seen flags and counts,
 then makes about ten [batch, vocab] float32 passes (at batch 256, about 4 GB of memory traffic a step)."""

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kernels.pdl import pdl_enabled, pdl_launch
-from nanovllm.layers.kernels.store_kvcache import row_scale, to_fp8
+from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
+from nanovllm.kernels.store_kvcache import row_scale, to_fp8
 
 
 @triton.jit

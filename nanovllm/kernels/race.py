@@ -1,5 +1,5 @@
 """The sampler's exponential race, argmax(logits / T - log E) per row, in one pass over 16-bit or float32 logits
-(layers/sampler.py's race_in_log_space is the reference). Ties go to the first index, as torch.argmax. The GPU's
+(sampling/sampler.py's race_in_log_space is the reference). Ties go to the first index, as torch.argmax. The GPU's
 division and log may differ from torch's in the last bit, so a near-tie can go the other way than the reference's
 on the same noise: the distribution is the same.
 
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.layers.kernels.decode import sm_count
+from nanovllm.kernels.decode import sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)

@@ -26,12 +26,12 @@ from multiprocessing import connection, get_context
 
 from nanovllm.chat import ChatMixin
 from nanovllm.config import Config
+from nanovllm.distributed.process import leave_now
+from nanovllm.distributed.tensor_parallel import SPAWN_HINT
 from nanovllm.engine.call_guard import CallGuard
 from nanovllm.engine.llm_engine import StreamDeltas, default_sampling_params
 from nanovllm.engine.requests import RequestChecker, as_request_lists
-from nanovllm.engine.tensor_parallel import SPAWN_HINT
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.process import leave_now
 
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
@@ -105,7 +105,7 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     finally:
         if llm is not None:
             llm.exit()
-    leave_now(0)  # the engine is shut down: no interpreter teardown (utils/process.py)
+    leave_now(0)  # the engine is shut down: no interpreter teardown (distributed/process.py)
 
 
 class Replica:
@@ -216,7 +216,7 @@ class DataParallelLLM(ChatMixin):
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             ids = [int(x) for x in visible.split(",")] if visible else list(range(n * tp))
             gpus = [ids[r * tp : (r + 1) * tp] for r in range(n)]
-        from nanovllm.utils.loader import load_tokenizer
+        from nanovllm.checkpoint.loader import load_tokenizer
         self.default_sampling_params = default_sampling_params(config.model)  # (a bad file raises here)
         try:
             self.tokenizer = load_tokenizer(config.model)
@@ -339,7 +339,7 @@ class DataParallelLLM(ChatMixin):
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError(f"structured outputs need a tokenizer, and {self.config.model!r} has none")
-            from nanovllm.structured_outputs import GrammarCompiler
+            from nanovllm.sampling.structured_outputs import GrammarCompiler
             self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size,
                                              self.config.eos_token_ids)
         return self._grammars.compile(spec)

@@ -1,22 +1,22 @@
 """Batched sampling: every option is applied to the whole batch with tensors. On CUDA a seeded request's draws come
-from Philox keyed by its seed (layers/kernels/race.py, with or without enforce_eager), the others' from the race
-kernel's Philox keyed by the step's seed (or, eager or top-k / top-p, from the runner's generator); on CPU a seeded
-request draws from its own torch.Generator, one row at a time."""
+from Philox keyed by its seed (kernels/race.py), the others' from the race kernel's Philox keyed by the step's seed
+(or, with top-k / top-p, from the runner's generator); on CPU a seeded request draws from its own torch.Generator, one
+row at a time."""
 import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import (
+from nanovllm.layers.context import ToDevice, to_device_packed
+from nanovllm.sampling.logits_processors import (
     GrammarProcessor,
     LogitsProcessor,
     MinTokensProcessor,
     PenaltiesProcessor,
 )
+from nanovllm.sampling.structured_outputs import grammar_threads
 from nanovllm.sampling_params import sample_seed
-from nanovllm.structured_outputs import grammar_threads
-from nanovllm.utils.context import ToDevice, to_device_packed
 
 MIN_TEMPERATURE = 1e-5  # the race divides by the temperature: a greedy row's 0 is clamped to this
 SEED_BLOCK = 4096  # steps' seeds drawn at once (Sampler._step_seed)
@@ -54,30 +54,25 @@ class Sampler(nn.Module):
     `prepare` turns a step's sequences into SamplingTensors (rank 0 only); `forward` applies the logits
     processors, samples and lets the processors record the new tokens, all on the device."""
 
-    def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu",
+                 triton: bool | None = None):
+        """triton: the race, penalties and logprobs as Triton kernels (default: on CUDA). Then the race draws its own
+        Exp(1) noise from a per-step seed and seeded rows are keyed in Philox (kernels/race.py), not a generator each;
+        else the torch race below, their reference."""
         super().__init__()
-        self.race_fn = race_in_log_space
-        self.race_draws = False  # the race kernel draws its own Exp(1) noise from a per-step seed (CUDA, compiled)
         self.vocab_size, self.device = vocab_size, torch.device(device)
-        # seeded rows keyed in Philox (kernels/race.py), not a generator each: on CUDA, compiled or eager alike, so
-        # that a seed gives the same tokens either way
-        self.keyed = self.device.type == "cuda"
-        self.penalties = PenaltiesProcessor(vocab_size, self.device)
+        self.keyed = self.race_draws = self.device.type == "cuda" if triton is None else triton
+        if self.keyed:
+            from nanovllm.kernels.race import race
+            self.race_fn = race
+        else:
+            self.race_fn = race_in_log_space
+        self.penalties = PenaltiesProcessor(vocab_size, self.device, fused=self.keyed)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
         self.grammar = GrammarProcessor(grammar_threads(self.device.type))
         # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
         self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
         self._seeds, self._seeds_used, self._seeds_from = None, 0, None  # _step_seed's block
-
-    def use_compiled(self, enabled: bool = True):
-        """On CUDA: the race in one Triton pass that draws its own noise (layers/kernels/race.py), the penalties in
-        one pass (layers/kernels/penalties.py)."""
-        if enabled:
-            from nanovllm.layers.kernels.race import race
-            self.race_fn, self.race_draws, self.keyed = race, True, True
-        else:
-            self.race_fn, self.race_draws, self.keyed = race_in_log_space, False, self.device.type == "cuda"
-        self.penalties.use_compiled(enabled)
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice,
                 positions: list[int] | None = None) -> SamplingTensors:
@@ -143,13 +138,13 @@ class Sampler(nn.Module):
             temperatures = (st.clamped if st.clamped is not None else
                             st.temperatures.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
             # Philox draws keyed by this step's seed and a seeded row's own key: the race kernel's own, or the same
-            # as a tensor (exp_draws) where a seeded row needs them outside it; top-k / top-p or eager batches
-            # without a seeded row draw from the generator (no kernel to compile for them)
+            # as a tensor (exp_draws) where a seeded row needs them outside it; top-k / top-p batches without a
+            # seeded row, and CPU batches, draw from the generator
             draws = seed = None
             if st.keys is not None or (self.race_draws and not filtered):
                 seed = self._step_seed(generator, logits.device)
             if st.keys is not None:
-                from nanovllm.layers.kernels.race import exp_draws
+                from nanovllm.kernels.race import exp_draws
                 draws = functools.partial(exp_draws, seed, keys=st.keys, streams=st.streams)
             if filtered:
                 tokens = _sample_filtered(logits, temperatures, st, generator, draws)
@@ -176,7 +171,7 @@ class Sampler(nn.Module):
         return self._seeds[self._seeds_used - 1, :1]
 
     def _fused_logprobs(self, k: int, vocab: int) -> bool:
-        """Logprobs from one kernel pass over the logits as they are (CUDA, compiled), else torch over float32."""
+        """Logprobs from one kernel pass over the logits as they are (CUDA), else torch over float32."""
         return self.race_draws and 0 <= k <= min(MAX_LOGPROBS_FUSED, vocab)
 
     def logprobs(self, raw: torch.Tensor, k: int, targets: torch.Tensor):
@@ -184,7 +179,7 @@ class Sampler(nn.Module):
         [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax); the sampler's tokens and the
         prompt tokens that prompt_logprobs scores."""
         if self._fused_logprobs(k, raw.size(1)):
-            from nanovllm.layers.kernels.logprobs import logprob_stats
+            from nanovllm.kernels.logprobs import logprob_stats
             lse, top_values, top_ids = logprob_stats(raw, k)
         else:
             raw = raw.float()
