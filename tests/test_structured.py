@@ -428,10 +428,12 @@ def test_preemption_and_chunked_prefill_keep_the_grammar(qwen3_tied, llm, refere
 
 def test_async_scheduling_equals_the_plain_loop(qwen3_tied, llm):
     overlapped = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=True)
-    hooks = []  # steps that settled the one before while their forward pass ran
-    launch = overlapped.executor.launch
-    overlapped.executor.launch = lambda batch, previous, before=None: (hooks.append(before is not None),
-                                                                        launch(batch, previous, before))[1]
+    events = []  # launch, settle, sample: in order
+    for name in ("launch", "sample"):
+        fn = getattr(overlapped.executor, name)
+        setattr(overlapped.executor, name, lambda *a, fn=fn, name=name: (events.append(name), fn(*a))[1])
+    settle = overlapped._settle
+    overlapped._settle = lambda *a: (events.append("settle"), settle(*a))[1]
     prompts = _prompts(7, [5, 14, 27, 9, 40])
     params = [_sp(StructuredOutputsParams(json=SCHEMA), temperature=0.9, seed=1, logprobs=2),
               _sp(max_tokens=25, ignore_eos=True),
@@ -447,7 +449,10 @@ def test_async_scheduling_equals_the_plain_loop(qwen3_tied, llm):
         # up to float rounding: a sequence that a step ends still runs in the next, so the batches differ in size
         for got, want in zip(outs[0]["logprobs"], expected[0]["logprobs"]):
             assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
-    assert any(hooks) and not all(hooks)  # (once the constrained requests are done, the plain overlap)
+    # steps that settled the one before between their forward pass and their sampling (a grammar's bitmask needs
+    # its tokens), and, once the constrained requests are done, the plain overlap: sample, then settle
+    early = [after == "settle" for event, after in zip(events, events[1:]) if event == "launch"]
+    assert any(early) and not all(early)
     free = overlapped.scheduler.block_manager.num_free_blocks
     assert overlapped.is_finished() and free == overlapped.num_kvcache_blocks
 

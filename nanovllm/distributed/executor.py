@@ -1,6 +1,6 @@
 """Executors: how LLMEngine reaches the model runners, one per rank.
 
-`run` executes a step and returns rank 0's sampled tokens; `launch`/`settle` split it for async scheduling;
+`run` executes a step and returns rank 0's sampled tokens; `launch`/`sample`/`settle` split it for async scheduling;
 `collective_rpc` runs a ModelRunner method on every rank and returns each rank's result (weight updates and
 sleep/wake go through it); `shutdown` frees everything. Two executors today: one rank in this process, and
 tensor-parallel ranks in spawned processes (tensor_parallel.py); LLMEngine picks one. Data parallelism and Ray
@@ -8,10 +8,9 @@ are future executors, or a layer over several."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import PendingStep, ScheduledBatch, StepOutput
+from nanovllm.engine.batch import LaunchedStep, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.model_runner import ModelRunner
 
 
@@ -23,11 +22,14 @@ class Executor:
         """Run one step on every rank; what rank 0 sampled."""
         raise NotImplementedError
 
-    def launch(self, batch: ScheduledBatch, previous: PendingStep | None,
-               before_sampling: Callable[[], None] | None = None) -> PendingStep:
-        """Start a step without waiting for its tokens (async scheduling); `before_sampling` runs once the forward
-        pass is queued, before sampling (see ModelRunner.launch)."""
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> LaunchedStep:
+        """Queue a step's forward pass on every rank without waiting (async scheduling); inputs that `previous`
+        sampled are taken on the device."""
         raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
+
+    def sample(self, step: LaunchedStep) -> PendingStep:
+        """Sample a launched step's tokens (rank 0), without waiting for them."""
+        return self.runner.sample(step)
 
     def settle(self, step: PendingStep) -> StepOutput:
         """Wait for a launched step's tokens."""
@@ -64,8 +66,8 @@ class UniprocExecutor(Executor):
     def run(self, batch):
         return self.runner.run(batch)
 
-    def launch(self, batch, previous, before_sampling=None):
-        return self.runner.launch(batch, previous, before_sampling)
+    def launch(self, batch, previous):
+        return self.runner.launch(batch, previous)
 
     def collective_rpc(self, method, args=(), kwargs=None):
         kwargs = kwargs or {}

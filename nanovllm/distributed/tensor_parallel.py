@@ -74,11 +74,14 @@ class MultiprocExecutor(Executor):
     def run(self, batch: ScheduledBatch):
         return self.workers.call(self.runner, "run", (batch,))
 
-    def launch(self, batch, previous, before_sampling=None):
+    def launch(self, batch, previous):
         """Async scheduling: the workers launch the same step, taking the inputs `previous` sampled from their
-        copy of its tokens (rank 0 broadcasts every step's tokens: ModelRunner.share_tokens)."""
-        return self.workers.call(self.runner, "launch", (batch, previous, before_sampling),
+        copy of its tokens (rank 0 broadcasts every step's tokens when it samples: ModelRunner.share_tokens)."""
+        return self.workers.call(self.runner, "launch", (batch, previous),
                                  worker_call=("launch_chained" if previous is not None else "launch", (batch,)))
+
+    def sample(self, step):
+        return self.workers.guarded(self.runner, self.runner.sample, step)
 
     def collective_rpc(self, method, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -253,16 +256,26 @@ class Workers:
              worker_call: tuple[str, tuple] | None = None):
         """Send `method` to every worker and run it on rank 0. Returns rank 0's result, or with `reply` every
         rank's result in rank order (workers send theirs back over their pipe). `worker_call`: (method, args) the
-        workers run instead (rank 0's arguments may not travel: a pending step, a callback)."""
+        workers run instead (rank 0's arguments may not travel: a pending step)."""
         self.check()
         kwargs = kwargs or {}
-        try:
+
+        def on_every_rank():
             self._replies.clear()
             self.channel.send(*(worker_call or (method, args)), kwargs, reply, check=self.check)
             result = getattr(runner, method)(*args, **kwargs)
             if reply:
                 self._wait(lambda: len(self._replies) == len(self.processes), f"answer {method}")
                 result = [result] + [self._replies[rank] for rank in range(1, len(self.processes) + 1)]
+            return result
+        return self.guarded(runner, on_every_rank)
+
+    def guarded(self, runner: ModelRunner, fn, *args):
+        """fn(*args) on rank 0 as part of a step the workers run too: a failure shuts the group down and raises the
+        worker's report where a worker failed."""
+        self.check()
+        try:
+            result = fn(*args)
         except WorkerError:
             self._shutdown_after_failure(runner)
             raise

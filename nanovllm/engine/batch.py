@@ -62,6 +62,17 @@ class StepOutput:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose forward pass is queued and whose tokens are not sampled yet (rank 0): between the two, async
+    scheduling may settle the step before it (a grammar's bitmask needs that step's tokens)."""
+
+    batch: ScheduledBatch
+    sampling: SamplingTensors
+    logits: torch.Tensor  # (a small decode bucket's live in the graphs' pool until the next replay: sample first)
+    prompt_logprobs: list | None = None
+
+
+@dataclass
 class PendingStep:
     """A step launched on the device whose sampled tokens have not been read back yet (rank 0)."""
 

@@ -347,9 +347,10 @@ class LLMEngine:
         return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
 
     def _step_async(self) -> tuple[list[Sequence], int]:
-        """Launch decode step N+1 before waiting for step N's tokens, so the CPU schedules and prepares while
-        the GPU computes. Inputs that step N sampled stay on the device; placeholders stand for them in the
-        sequences until N is settled. A sequence that step N ends still runs (uselessly) in N+1."""
+        """The overlap loop: launch decode step N+1, then settle step N (read its tokens, postprocess), so the host
+        schedules and prepares N+1 while the device computes N. N+1 takes the inputs N sampled on the device;
+        placeholders stand for them in the sequences until N is settled. A sequence that N ends still runs
+        (uselessly) in N+1."""
         pending, scheduler = self._pending, self.scheduler
         if pending is not None and scheduler.can_prefill():  # a prefill comes next: it needs the real tokens
             return self._settle(), _num_tokens(pending.batch)
@@ -360,20 +361,17 @@ class LLMEngine:
             raise _nothing_to_schedule()
         if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
             return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
-        # A grammar's bitmask for this step needs the previous step's tokens in its matchers: then that step is settled
-        # while the device computes this one's forward pass, before this one samples.
-        constrained = pending is not None and any(seq.grammar is not None for seq in batch.rows)
-        settled: list[Sequence] = []
-
-        def settle_previous():
-            settled.extend(self._apply(pending.batch, self.executor.settle(pending)))
-        self._pending = self.executor.launch(batch, pending, settle_previous if constrained else None)
+        launched = self.executor.launch(batch, pending)  # N+1's forward pass is queued
+        settled = None
+        if pending is not None and any(seq.grammar is not None for seq in batch.rows):
+            settled = self._settle()  # N+1's grammar bitmask needs N's tokens in the matchers: settle N first
+        self._pending = self.executor.sample(launched)
         for seq in batch.seqs:
-            if not seq.is_finished:  # (the previous step may have just ended it: nothing more to hold a place for)
+            if not seq.is_finished:  # (settling N may have just ended it: nothing more to hold a place for)
                 seq.append_token(PENDING_TOKEN)
-        if pending is not None and not constrained:
+        if pending is not None and settled is None:
             settled = self._settle(pending)
-        return settled, _num_tokens(batch)
+        return settled or [], _num_tokens(batch)
 
     def _settle(self, step=None) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them."""

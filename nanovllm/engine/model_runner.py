@@ -1,6 +1,5 @@
 import logging
 import time
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -10,7 +9,7 @@ from nanovllm.checkpoint.loader import init_dummy_weights, iter_weights, load_na
 from nanovllm.config import Config
 from nanovllm.distributed.group import TPGroup, building_for
 from nanovllm.engine import kv_cache, warmup
-from nanovllm.engine.batch import ForwardBatch, PendingStep, ScheduledBatch, StepOutput
+from nanovllm.engine.batch import ForwardBatch, LaunchedStep, PendingStep, ScheduledBatch, StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
@@ -327,38 +326,39 @@ class ModelRunner:
             fb.prompt_hidden = hidden[fb.prompt_rows]
         return self.model.compute_logits(hidden)
 
-    def launch(self, batch: ScheduledBatch, previous: PendingStep | None = None,
-               before_sampling: Callable[[], None] | None = None) -> PendingStep | None:
-        """Start a step on the device and return without waiting for its tokens (rank 0; None on other ranks).
-        Sampling and the logits processors' bookkeeping stay on the device. `before_sampling` (rank 0) runs while the
-        device computes the forward pass: async scheduling settles the previous step there when this one's grammar
-        bitmask needs its tokens."""
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None = None) -> LaunchedStep | None:
+        """Queue a step's forward pass (its block copies and prompt logprobs too) without waiting for it. Rank 0
+        returns the step, to `sample`; the other ranks finish theirs here (with share_tokens: they take rank 0's
+        sampled tokens, which the next step's inputs come from)."""
         try:
             fb = self.prepare(batch, previous)
             logits = self.run_model(fb)
             if batch.block_copies:
                 self._copy_blocks(batch.block_copies)
             prompt_logprobs = self._prompt_logprobs(batch, fb) if batch.prompt_logprobs else None
-            if self.rank != 0:
-                if self.share_tokens:
-                    tokens = torch.empty(len(batch.rows), dtype=torch.int64, device=self.device)
-                    self.last_step = PendingStep(batch, self.group.broadcast(tokens, 0) if tokens.numel() else tokens,
-                                                 tokens)
-                return None
-            if before_sampling is not None:
-                before_sampling()
-            tokens, logprobs = self.sampler(logits, fb.sampling, self.generator)
-            if self.share_tokens and tokens.numel():
-                tokens = self.group.broadcast(tokens.to(torch.int64).contiguous(), 0)
-            step = PendingStep(batch, tokens, self._to_host(tokens),
-                               tuple(self._to_host(t) if t is not None else None for t in logprobs)
-                               if logprobs is not None else None, prompt_logprobs)
-            if self.is_cuda:
-                step.ready = torch.cuda.Event()
-                step.ready.record()
-            return step
         finally:
             reset_context()
+        if self.rank != 0:
+            if self.share_tokens:
+                tokens = torch.empty(len(batch.rows), dtype=torch.int64, device=self.device)
+                self.last_step = PendingStep(batch, self.group.broadcast(tokens, 0) if tokens.numel() else tokens,
+                                             tokens)
+            return None
+        return LaunchedStep(batch, fb.sampling, logits, prompt_logprobs)
+
+    def sample(self, step: LaunchedStep) -> PendingStep:
+        """Sample a launched step's tokens on the device (rank 0), the logits processors' bookkeeping included, and
+        start copying them to the host: `settle` reads them."""
+        tokens, logprobs = self.sampler(step.logits, step.sampling, self.generator)
+        if self.share_tokens and tokens.numel():
+            tokens = self.group.broadcast(tokens.to(torch.int64).contiguous(), 0)
+        pending = PendingStep(step.batch, tokens, self._to_host(tokens),
+                              tuple(self._to_host(t) if t is not None else None for t in logprobs)
+                              if logprobs is not None else None, step.prompt_logprobs)
+        if self.is_cuda:
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
 
     def launch_chained(self, batch: ScheduledBatch) -> None:
         """A worker's launch of the step rank 0 launched with `previous`: its inputs from this rank's copy of the
@@ -420,7 +420,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput | None:
         """One step, waited for; rank 0 returns what `settle` returns, other ranks None."""
         step = self.launch(batch)
-        return self.settle(step) if step is not None else None
+        return self.settle(self.sample(step)) if step is not None else None
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """Copy whole KV blocks (every layer, K and V), after the step that wrote the sources."""
