@@ -315,3 +315,36 @@ def test_exit_mid_stream_is_prompt(chat_model):
     start = time.monotonic()
     llm.exit()
     assert time.monotonic() - start < 10 and all(p.exitcode == 0 for p in llm.processes)
+
+
+# ---- the weight and memory calls reach every replica ----------------------------------------------------------
+def test_weights_sleep_and_rpc_on_every_replica(chat_model, qwen3_b, deadline):
+    from tests.tiny_models import hf_greedy, hf_model
+    prompts = _prompts(11, 6)
+    with LLM(chat_model, data_parallel_size=2, **OPTIONS) as llm:
+        assert [r["rank"] for r in llm.collective_rpc("describe")] == [0, 0]  # rank 0 of each replica
+        state = hf_model(qwen3_b).state_dict()
+        with pytest.raises(ValueError, match="matches no parameter"):
+            llm.update_weights({**state, "model.nope.weight": torch.zeros(2)})
+        with pytest.raises(TypeError, match="item 0 must be a \\(name, tensor\\) pair"):
+            llm.update_weights([torch.zeros(3)])
+        llm.update_weights(state)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)  # every replica serves the new weights
+        assert [o["token_ids"] for o in outs] == [hf_greedy(qwen3_b, p, 10) for p in prompts]
+        assert sorted(s["replica"] for s in llm.last_stats) == [0, 1]
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.wake_up()
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o["token_ids"] for o in outs]
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert any(o["num_cached_tokens"] for o in again) or all(len(p) <= 16 for p in prompts)
+        llm.reset_prefix_cache()
+        assert all(o["num_cached_tokens"] == 0 for o in llm.generate(prompts, GREEDY, use_tqdm=False))
+        llm.sleep(level=2)
+        with pytest.raises(ValueError, match="lacks weights"):
+            llm.update_weights({"model.norm.weight": state["model.norm.weight"]})
+        llm.update_weights(state)
+        llm.wake_up()
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o["token_ids"] for o in outs]

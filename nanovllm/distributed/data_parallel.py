@@ -36,10 +36,13 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
 FINAL = ("result", "done", "value", "raise")  # a replica's last message of a call
+# the engine methods the front runs on every replica (the weight and memory calls of RL loops)
+REPLICA_METHODS = ("update_weights", "sleep", "wake_up", "collective_rpc", "reset_prefix_cache")
 
 
 class ReplicaError(RuntimeError):
     """A data-parallel replica failed (died, or raised something other than a bad-request error)."""
+
 
 
 def route(tokens: list[int], keys: list, num_replicas: int) -> list[list[int]]:
@@ -138,6 +141,8 @@ class Replica:
         try:
             if kind == "rpc":
                 method, args, kwargs = payload
+                if method not in REPLICA_METHODS:
+                    raise ValueError(f"{method!r} is not a method replicas run; valid: {', '.join(REPLICA_METHODS)}")
                 try:
                     value = getattr(llm, method)(*args, **kwargs)
                 except RuntimeError as e:  # refused (asleep, requests running): the engine is unharmed
@@ -202,7 +207,8 @@ def _stop_replicas(conns: list, processes: list):
 
 # ---- this process's side -----------------------------------------------------------------------------
 class DataParallelLLM(ChatMixin):
-    """N replicas behind one LLM-shaped object: generate, stream, chat, exit."""
+    """N replicas behind one LLM's API: generate, stream and chat split the requests over them and merge the results
+    in order; update_weights, sleep, wake_up, collective_rpc and reset_prefix_cache run on every replica."""
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)  # every option checked before a process starts
@@ -229,6 +235,8 @@ class DataParallelLLM(ChatMixin):
         self._calls = 0  # the last call id
         self._open: dict[int, int] = {}  # replica -> the call it is still on (until its final message is read)
         self._grammars = None  # structured outputs: a compiler, to refuse a bad spec here
+        self._asleep: set[str] = set()  # as one engine keeps them (LLMEngine), for every replica at once
+        self._weights_discarded: str | None = None
         self.last_stats: list[dict] = []  # per replica, of the last generate: requests, output tokens, seconds
         replica_kwargs = {k: v for k, v in kwargs.items() if k != "data_parallel_size"}
         threads = max(1, (os.cpu_count() or 1) // n)
@@ -349,6 +357,7 @@ class DataParallelLLM(ChatMixin):
         self._check_alive()
         if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
+        self._check_awake()
         prompts, params = as_request_lists(
             prompts, self.default_sampling_params if sampling_params is None else sampling_params)
         return [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
@@ -410,6 +419,83 @@ class DataParallelLLM(ChatMixin):
             finally:
                 if self.failure is None and not self._exclusive.closed:
                     self._end_calls()
+
+    # ---- weights and memory: every replica, as one engine ---------------------------------------------
+    def _on_every_replica(self, what: str, method: str, *args) -> tuple[list, BaseException | None]:
+        """LLMEngine.`method`(*args) on every replica, one call at a time: each replica's result in replica order,
+        and the first replica's error (a ValueError, TypeError or RuntimeError: a refusal, the replica unharmed)."""
+        self._check_alive()
+        with self._exclusive(what):
+            call = self._start("rpc", dict.fromkeys(range(self.num_replicas), (method, args, {})))
+            results, error = [None] * self.num_replicas, None
+            try:
+                for rank, message in self._messages(call):
+                    if message[1] == "raise":
+                        error = error or message[2]
+                    else:
+                        results[rank] = message[2]
+            finally:
+                self._end_calls()
+            return results, error
+
+    def _check_awake(self):
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} freed by sleep()); call "
+                               "wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError(f"{self._weights_discarded}; load a full set with update_weights() first")
+
+    def update_weights(self, weights) -> None:
+        """As LLMEngine.update_weights, on every replica: the pairs are checked here, then each replica checks names
+        and shapes before it writes (identical replicas refuse alike: none writes). Tensors travel pickled, on the
+        host; a checkpoint directory is read by each replica."""
+        from nanovllm.engine.llm_engine import _weight_pairs
+        weights = _weight_pairs(weights)
+        if not isinstance(weights, str):
+            weights = [(name, tensor.detach().cpu()) for name, tensor in weights]
+        _, error = self._on_every_replica("update_weights", "update_weights", weights)
+        if error is not None:
+            if not isinstance(error, (ValueError, TypeError)):  # (those: refused by the checks, nothing written)
+                self._weights_discarded = f"an update_weights() failed while writing on a replica ({error})"
+            raise error
+        self._weights_discarded = None
+        self._asleep.discard("weights")
+
+    def sleep(self, level: int = 1) -> None:
+        """As LLMEngine.sleep, on every replica."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got {level!r}")
+        if self._asleep:
+            raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call wake_up()")
+        _, error = self._on_every_replica("sleep", "sleep", level)
+        if error is not None:
+            raise error
+        self._asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self._weights_discarded = "the weights were freed by sleep(level=2)"
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """As LLMEngine.wake_up, on every replica."""
+        _, error = self._on_every_replica("wake_up", "wake_up", tags)
+        if error is not None:
+            raise error
+        self._asleep -= {"weights", "kv_cache"} if tags is None else set(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def collective_rpc(self, method: str, args: tuple | None = (), kwargs: dict | None = None) -> list:
+        """As LLMEngine.collective_rpc, on every replica: the results of every rank of replica 0, then of replica 1,
+        ..."""
+        results, error = self._on_every_replica("collective_rpc", "collective_rpc", method, args, kwargs)
+        if error is not None:
+            raise error
+        return [r for replica in results for r in replica]
+
+    def reset_prefix_cache(self) -> None:
+        _, error = self._on_every_replica("reset_prefix_cache", "reset_prefix_cache")
+        if error is not None:
+            raise error
 
     def exit(self):
         """Stop every replica (each shuts its own engine down) and leave no process behind. Idempotent."""
