@@ -217,7 +217,7 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]):
 
 # A GGUF conversion records the tokenizer class AutoTokenizer picked for it (_save_tokenizer). When that is one of
 # transformers' generic classes, later loads name the class directly: importing AutoTokenizer pulls in transformers'
-# model registry and generation stack, 3.5 s on a 2-core CPU, against 0.1 s for the class.
+# model registry and generation stack, seconds on a small CPU, where the class alone imports in a fraction of one.
 TOKENIZER_RECORD = "nanovllm_tokenizer.json"
 DIRECT_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 

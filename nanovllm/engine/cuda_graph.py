@@ -9,9 +9,9 @@ import torch
 from nanovllm.layers.context import Context, reset_context, set_context
 
 # Buckets up to this many rows (one process, no tensor parallelism) capture the LM head too and return logits: its
-# kernel's Python launch cost 75-150 us of host time per step, which at batch 1 on a slower CPU set ms/token
-# (benchmarks/host_time.py, docs/benchmarks.md). Larger buckets return hidden rows (a static [bucket, vocab]
-# output would take 155 MB at 512 rows of a 151,936-token vocabulary).
+# kernel's Python launch is host time every step, which at batch 1 on a slower CPU sets the time per token.
+# Larger buckets return hidden rows (a static [bucket, vocab] output would take 155 MB at 512 rows of a
+# 151,936-token vocabulary).
 LOGITS_IN_GRAPH_ROWS = 16
 
 
@@ -41,12 +41,11 @@ def compile_buckets(buckets: list[int]) -> list[int]:
 
 
 class StaticInputs:
-    """Named tensors carved from one device buffer, so that one host-to-device copy writes a step's values into all
-    of them: a decode step used to copy each from a packed device tensor by a kernel of its own, 5-8 small device
-    operations between two graphs (docs/benchmarks.md). Each tensor starts 16-byte aligned (Triton compiles a
-    kernel per pointer alignment). The host side is numpy over a few pinned images taken in turn (torch calls on
-    small host tensors cost microseconds each, which batch 1 pays in ms/token); `stage` rebuilds all it copies from
-    the tensors' initial values (their padding), so no row keeps a value of an earlier step."""
+    """Named tensors carved from one device buffer, so that one host-to-device copy writes a step's values into all of
+    them, rather than a small device copy per tensor between two graphs. Each tensor starts 16-byte aligned (Triton
+    compiles a kernel per pointer alignment). The host side is numpy over a few pinned images taken in turn (torch
+    calls on small host tensors cost microseconds each, which batch 1 pays in ms/token); `stage` rebuilds all it
+    copies from the tensors' initial values (their padding), so no row keeps a value of an earlier step."""
 
     HOST_IMAGES = 4  # an image is written again only once the copy from it four steps ago is done
 

@@ -117,11 +117,11 @@ class LLMEngine:
         self.config = config = Config.from_kwargs(model, **kwargs)
         self.vocab_size = config.hf_config.vocab_size
         self.startup = {"config": perf_counter() - start}  # seconds; the runners log theirs
-        # Importing transformers' AutoTokenizer is seconds of Python on some machines (7.8 s on a lent H200 host:
-        # it imports the generation stack, docs/benchmarks.md): it runs while the executor loads weights, warms up
-        # and captures graphs. Started right after the config, which is either a PlainConfig read from config.json
-        # alone (well under a millisecond, nothing of transformers imported: from here on only this thread imports
-        # transformers) or transformers' AutoConfig, whose imports would otherwise wait on the thread's import locks.
+        # Importing transformers' AutoTokenizer is seconds of Python on some machines (it imports the generation
+        # stack): it runs while the executor loads weights, warms up and captures graphs. Started right after the
+        # config, which is either a PlainConfig read from config.json alone (well under a millisecond, nothing of
+        # transformers imported: from here on only this thread imports transformers) or transformers' AutoConfig,
+        # whose imports would otherwise wait on the thread's import locks.
         # (A checkpoint without a tokenizer is refused here, before the weights load, unless load_format="dummy".)
         try:
             check_tokenizer_files(config.model)
@@ -135,7 +135,7 @@ class LLMEngine:
         if config.device == "cuda":
             # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its weights and KV cache
             # until the collector runs: collect now, before this one loads weights and sizes its cache from what
-            # is free (on an H200 the next LLM(...) found no memory for its cache)
+            # is free (otherwise the next LLM(...) can find no memory left for its cache)
             gc.collect()
         self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
         # shuts the executor down when the engine is garbage-collected without exit(): it holds the executor, never

@@ -440,8 +440,8 @@ class ModelRunner:
 
     @staticmethod
     def _logprob_dicts(seqs: list[Sequence], tokens: list[int], logprobs) -> list[dict[int, float] | None]:
-        # (called for every step of a batch with logprobs: at batch 256 its Python took ~0.5 ms a step on an H200's
-        # host, about as much as the step's sampling on the GPU; hence the zips and no per-row slicing at full width)
+        # (called for every step of a batch with logprobs: at batch 256 its Python takes about as long as the step's
+        # sampling on the GPU; hence the zips and no per-row slicing at full width)
         top_values, top_ids, chosen = logprobs
         width = top_values.size(1) if top_values is not None else 0
         rows = zip(top_ids.tolist(), top_values.tolist()) if width else [((), ())] * len(seqs)

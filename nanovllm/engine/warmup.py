@@ -115,15 +115,15 @@ def _launch_key(fn, args: tuple, kwargs: dict):
 
 
 def compile_ahead(fn: Callable[[], object]):
-    """Runs fn with every Triton kernel launch in it turned into a compile of that kernel, in a thread pool
-    (Triton's AsyncCompileMode), and waits for the compiles (raising a compile's error). No kernel runs. The
-    warm-ups run their forward passes so, then for real: a fresh machine compiled 25-29 kernels one after another,
-    11 s of a 17.8 s start (docs/benchmarks.md). What is not a Triton kernel runs as usual, on garbage where a
-    skipped kernel's output feeds it, so fn must index nothing by a kernel's output (the model's forward and logits
-    do not). Only the calling thread's launches turn into compiles; one compile_ahead runs at a time in a process.
-    Does nothing (fn does not run) with a Triton older than 3.5, which has no AsyncCompileMode: kernels then compile
-    at their first launch, one at a time. Inside the caller's own AsyncCompileMode fn runs as a plain pass (so that
-    tensor-parallel ranks still run the same collectives)."""
+    """Runs fn with every Triton kernel launch in it turned into a compile of that kernel, in a thread pool (Triton's
+    AsyncCompileMode), and waits for the compiles (raising a compile's error). No kernel runs. The warm-ups run their
+    forward passes so, then for real: otherwise a fresh machine compiles a few dozen kernels one after another, most
+    of a cold start (measured: docs/kernels.md). What is not a Triton kernel runs as usual, on garbage where a skipped
+    kernel's output feeds it, so fn must index nothing by a kernel's output (the model's forward and logits do not).
+    Only the calling thread's launches turn into compiles; one compile_ahead runs at a time in a process. Does nothing
+    (fn does not run) with a Triton older than 3.5, which has no AsyncCompileMode: kernels then compile at their first
+    launch, one at a time. Inside the caller's own AsyncCompileMode fn runs as a plain pass (so that tensor-parallel
+    ranks still run the same collectives)."""
     try:
         import triton
         from triton.runtime import _async_compile
@@ -253,8 +253,8 @@ def warmup(runner):
 
 # The Triton prefill kernel is compiled per query tile (16 rows for the longest query up to 16 tokens, else the
 # full tile) and per path (packed K/V, or K/V read through block tables). Each variant JITs once per machine;
-# warming them all up at start keeps that out of the first real steps (a first bench run paid about 0.9 s for
-# one, mid-run).
+# warming them all up at start keeps that out of the first real steps (compiled mid-run, one stalls its step for
+# most of a second).
 PREFILL_QUERY_LENS = (16, 128)
 
 

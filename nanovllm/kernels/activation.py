@@ -1,5 +1,5 @@
 """SiLU-and-multiply, [tokens, 2 * inter] -> [tokens, inter]: one pass at memory speed (the compiled
-torch version ran 2.6x slower than the bytes it moves on a 16k-token prefill). layers/activation.py holds the
+torch version runs 2.6x slower than the bytes it moves on a 16k-token prefill). layers/activation.py holds the
 torch reference."""
 import torch
 import triton

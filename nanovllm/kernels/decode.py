@@ -3,8 +3,8 @@
 On Hopper, at 96 to two SMs' worth of (sequence, KV head) pairs under a bound of at most 4,096 tokens (batches
 12-33 with 8 KV heads a rank), decode_attention hands a 16-bit cache, or an fp8 one under a 16-bit q, over to
 decode_tma.py: one program per (sequence, KV head, chunk of the context) streaming its tiles through a TMA ring,
-which reads closer to the copy bandwidth there (batch 16 decode on one H200: 1.24 -> 1.18-1.19 ms/token for bf16,
-1.26 -> 1.14-1.17 for fp8). This kernel serves every other case.
+which reads closer to the copy bandwidth there (measured gain: docs/kernels.md). This kernel serves every other
+case.
 
 Grid: (sequences, kv_heads, splits). A program serves all GROUP = heads // kv_heads query heads of one KV head,
 padded to BLOCK_G >= 16 rows so q @ K^T and p @ V run on tl.dot and each K/V tile is read once per KV head.
@@ -15,12 +15,12 @@ in the batch (a long sequence gets more programs, not one long one); splits past
 once. (split_tiles = 0 cuts each sequence into as many equal runs as there are splits: the tests'.) A
 sequence served by one split is written directly; otherwise splits write fp32 partials (running max, sum,
 unnormalised acc) and count themselves in a per-(sequence, kv head) counter: the last to arrive merges them and
-resets the counter (no second kernel: at batch 1 on an H200 the merge kernel took 67 us of a 0.9 ms step, 2.4 us
-a layer for a few kilobytes), loading the partials of up to 8 splits at once.
+resets the counter (no second kernel: at batch 1 a merge kernel's launch is a noticeable share of the step, for
+a few kilobytes of work), loading the partials of up to 8 splits at once.
 
 The kernel is short at small batch, so memory round trips in a row cost as much as bandwidth: where a split lies in
 one cache block (the engine's 128-token splits of 256-token blocks) its table entry is read beside the context
-length rather than after it. Both on an H200, 16 x 640 contexts: 22.1 -> 19.3 us a layer (docs/benchmarks.md).
+length rather than after it (measured gain: docs/kernels.md).
 
 An fp8 cache (QUANT) is read as fp8 bytes with one float32 scale per (token, head), the scales of one block and
 head contiguous. With a 16-bit q the dots run in float16, whatever q's type: fp8 widens to float16 in one
@@ -239,7 +239,7 @@ def _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N: tl.constexpr
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200; only shapes the split heuristic off-GPU (interpreter tests)
+    return 132  # a Hopper SXM part's; only shapes the split heuristic off-GPU (interpreter tests)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device,
@@ -247,13 +247,11 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: 
     """(num_splits, split_tiles): each (sequence, kv head) is served by programs of split_tiles BLOCK_N tiles, as
     many as its context needs. The split length (a power of two in [MIN_TOKENS_PER_SPLIT, MAX_SPLIT_TOKENS]) gives
     PROGRAMS_PER_SM programs per SM when contexts are TYPICAL_CONTEXT long: small batches get short splits (many
-    programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge).
-    Measured on an H200 (benchmarks/decode_tiles.py, docs/benchmarks.md): batch 16 x context 512 took 19.4 us per
-    layer with one split per sequence and 13.5 with 128-token splits; batch 256 lost 15% with 512-token splits.
-    An fp8 cache (quant) reads half the bytes per token, so its programs finish sooner: twice as many per SM, and
-    splits of at most MAX_SPLIT_TOKENS at any batch when the bound needs at most QUANT_MAX_SPLITS of them
-    (bench-like contexts of 200-2048 tokens at batch 256: 196.9 us unsplit, 185.5 with 1,024-token splits; at batch
-    128 111.2 with 1,024, 105.1 with 512).
+    programs), larger ones longer splits, and past MAX_SPLIT_TOKENS one split per sequence (nothing to merge):
+    short splits make small batches faster, while at large batches splitting costs more than it gains
+    (benchmarks/decode_tiles.py; docs/kernels.md). An fp8 cache (quant) reads half the bytes per token, so its
+    programs finish sooner: twice as many per SM, and splits of at most MAX_SPLIT_TOKENS at any batch when the
+    bound needs at most QUANT_MAX_SPLITS of them (faster than unsplit at batch 256 too: docs/kernels.md).
     Depends only on shapes and the bound, so a captured CUDA graph stays valid; max_split_tokens overrides the
     length (benchmarks)."""
     if max_split_tokens is None:
@@ -282,10 +280,9 @@ def _decode_config(head_dim: int, dtype: torch.dtype, quant: bool, v_token_major
     """(BLOCK_N, num_warps, num_stages). K and V tiles are [BLOCK_N, head_dim], pipelined num_stages deep."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 4, 2
-    if quant:  # the fastest on an H200 from batch 16 to 256 (benchmarks/decode_tiles.py; docs/benchmarks.md)
+    if quant:  # the fastest of the tiles measured on Hopper from batch 16 to 256 (benchmarks/decode_tiles.py)
         return (128, 4, 2) if v_token_major else (128, 2, 2)
-    # small batches: short splits of few tiles, where 2 warps and 2 stages won (16 x 512: 18.3 us against 20.9;
-    # 1 x 512: 10.2 both)
+    # small batches: short splits of few tiles, where 2 warps and 2 stages are faster at batch 16, no slower at 1
     return (64, 2, 2) if batch <= 16 else (64, 4, 3)
 
 
@@ -298,19 +295,16 @@ def launched_early(split_tiles: int, block_size: int, block_n: int, head_dim: in
     wait, so the graph bound's empty splits hold no slot. (On Hopper, batches 12-16 with 8 KV heads go to
     decode_tma.py instead, which copies its tiles before the wait.) With 8 KV heads a rank batches 1-16 qualify
     up to a max_model_len of 8,192 (past it a split holds 3 or more 64-key tiles, as MAX_SPLITS caps the splits);
-    with fewer KV heads a rank (tensor parallelism) larger batches do too (up to 33 at 4). Measured on one H200
-    (docs/benchmarks.md) at a max_model_len of 4,096 and batches 1-16 only: batch 1 went from 0.77 to 0.74
-    ms/token; batch 16 from 1.27-1.28 to 1.24-1.25 at contexts of 512-640 tokens (6 of 7 medians; one was 1.287),
-    1.37 to 1.35 at 512-1,024, level at 512-2,560; batch 8 from 1.13-1.16 to 1.10-1.11."""
+    with fewer KV heads a rank (tensor parallelism) larger batches do too (up to 33 at 4). The gain is measured at
+    batches 1-16 and a max_model_len of 4,096 only, and shrinks as contexts grow (docs/kernels.md)."""
     return (pdl_enabled(device) and cache_dtype.itemsize == 2 and split_tiles in (1, 2)
             and block_size % (split_tiles * block_n) == 0 and head_dim % 64 == 0)
 
 
 def prefetch_tiles(programs: int, split_tiles: int, device: torch.device) -> int:
     """How many of its tiles an early program asks L2 for: all where the whole grid is resident at once, else the
-    first (batch 16 on one H200, 4,096 programs of which 512-640 hold keys, the rotary kernel triggering first:
-    1.27-1.28 ms/token asking for both tiles, no better than not launching early, 1.25 for the first; without the
-    early trigger 1.30 and 1.26; docs/benchmarks.md)."""
+    first (where programs wait for later waves, asking for every tile does no better than not launching early:
+    docs/kernels.md)."""
     return split_tiles if programs <= PROGRAMS_PER_SM * sm_count(device) else 1
 
 

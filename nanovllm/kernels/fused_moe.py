@@ -34,8 +34,9 @@ class MoeTiles:
 
 
 def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
-    """Tiles for an H200 by the mean rows per expert: about twice that per tile, so that an expert with more pairs
-    than the mean still reads its weights once (decode is bound by reading them), up to 128 rows for prefill."""
+    """Tiles (tuned on Hopper) by the mean rows per expert: about twice that per tile, so that an expert with more
+    pairs than the mean still reads its weights once (decode is bound by reading them), up to 128 rows for
+    prefill."""
     mean_rows = num_pairs / num_experts
     block_m = min(64 if dtype == torch.float32 else 128, max(16, triton.next_power_of_2(math.ceil(2 * mean_rows))))
     if dtype == torch.float32:

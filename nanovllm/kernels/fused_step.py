@@ -11,7 +11,7 @@ quantized weights) or the layer's shape only has to make it decline.
   down all-reduce as the row-parallel layers do).
 - 9-16 rows (one GPU): the RMSNorm between two layers is split over the epilogue of the one before (residual add,
   h * w, sums of squares) and the end of the one after (rstd), and gate_up's epilogue does SiLU-and-mul: three
-  kernels fewer a layer. (At 2-8 rows this was slower: the model runs them.)
+  kernels fewer a layer. (At 2-8 rows this is slower, so the model runs them.)
 Measured gains: docs/kernels.md."""
 import torch
 from torch import nn

@@ -5,17 +5,16 @@ once, with every row of x: one row multiplies and adds on the CUDA cores, 2-16 r
 Where that pays (swapped()), 2-16 rows take the product the other way round, y^T = W x^T: 64 rows of W are the
 dot's M, so Triton issues Hopper's wgmma (asynchronous, operands read from shared memory, at most 16 columns of x
 as N) instead of mma.sync, which needs M = 16 on x's side; a program streams 64 rows of W four stages deep.
-On one H200 (benchmarks/small_gemm.py, docs/benchmarks.md) this took a batch-1 decode step's linear layers (Qwen3-0.6B
-shapes) from 994 to 743 us; cuBLAS picks slow kernels for some of these shapes (o_proj, 2048 -> 1024: 13.3 us against
-5-6 here). Where the output columns give fewer programs than half the SMs, K is split over programs (gemv_split_k),
-the last split adding the partials; an earlier split with atomic adds into a zeroed output never won.
+cuBLAS picks slow kernels for some of these shapes (o_proj's K 2,048 and N 1,024 among them); measured gain:
+docs/kernels.md. Where the output columns give fewer programs than half the SMs, K is split over programs
+(gemv_split_k), the last split adding the partials; a split with atomic adds into a zeroed output is slower.
 
 One row (batch-1 decode, K up to ROW_MAX_K) has its own kernel, which loads each program's whole slice of W at
 once, folds in the op before the layer (RMSNorm + residual add, SiLU-and-mul: the decoder's forward_small) and
-starts early under programmatic dependent launch (kernels/pdl.py). `benchmarks/small_gemm.py --chain` on an H200,
-a batch-1 step's linear part: 737 us with the general kernel, 645 with the one-row kernel, 463 with the folds and
-PDL. (Folded into the general kernel, the norm made 2-16 rows 2-3x slower, in two passes over x or in one: each
-program re-reads the rows of x; branches gemv-fold and gemv-fold-rows, docs/benchmarks.md.)
+starts early under programmatic dependent launch (kernels/hopper/pdl.py); the one-row kernel, and then the folds
+with PDL, each shorten a batch-1 step (docs/kernels.md; `benchmarks/small_gemm.py --chain` times the chain). The
+general kernel does not fold the norm in: there each program would re-read the rows of x, which makes 2-16 rows
+slower.
 
 2-16 rows fold an RMSNorm between two linear layers differently (add_norm, then NormedRows): rms_norm(h) @ W^T =
 rstd * ((h * w) @ W^T) per row, so the layer before (o_proj, down) adds the residual in its epilogue and writes
@@ -37,7 +36,7 @@ from nanovllm.kernels.scratch import scratch, split_counters
 
 MAX_ROWS = 16  # the rows of one tl.dot (layers/linear.py's SMALL_BATCH_ROWS)
 
-MAX_SPLIT_K = 4  # K-splits of the general kernel at most (measured: 1-4, benchmarks/small_gemm.py)
+MAX_SPLIT_K = 4  # K-splits of the general kernel at most (the range benchmarks/small_gemm.py measures)
 SWAP_TILE = (64, 256, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the swapped product (swapped())
 SWAP_MIN_K = 2048  # ... or where K is this long: cut into K-splits, the few programs still stream long runs
 ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slice of W in registers up to this K
@@ -193,13 +192,11 @@ def row_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def swapped(m: int, n: int, k: int, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """2-16 rows of a 16-bit model as y^T = W x^T on Hopper (wgmma; measured on an H200 only; a float32 tile would
+    """2-16 rows of a 16-bit model as y^T = W x^T on Hopper (wgmma; tuned on Hopper only; a float32 tile would
     overflow shared memory) where the 64-row programs still cover half the SMs, or K is long enough to split
-    (SWAP_MIN_K); never for the LM head. At 16 rows on one H200 (small_gemm.py --swap, us), Qwen3-0.6B: gate_up
-    6.45 -> 6.01-6.02 (96 programs), down 7.07 (3 K-splits) / 6.48 (unsplit) -> 5.88 (4 K-splits), o_proj 5.47 (4
-    K-splits) / 5.13 (unsplit) -> 5.22 (4 K-splits; in the engine at batch 16 1.453 / 1.457 -> 1.445 / 1.434
-    ms/token with it swapped too); qkv (64 programs) 4.98 against 5.13, not swapped. Qwen3-8B: qkv 18.70 -> 16.48,
-    o_proj 13.59 -> 12.52, gate_up 62.82 -> 55.38, down 33.46 -> 31.49."""
+    (SWAP_MIN_K); never for the LM head. At 16 rows this is faster or even for Qwen3-0.6B's gate_up, down and o_proj
+    and for every Qwen3-8B layer; Qwen3-0.6B's qkv (64 programs, K 1,024) is faster unswapped and stays so
+    (docs/kernels.md)."""
     device = device or torch.device("cpu")
     programs = triton.cdiv(n, SWAP_TILE[0])
     return (1 < m and n < 65536 and dtype.itemsize == 2 and _has_wgmma(device)
@@ -209,13 +206,13 @@ def swapped(m: int, n: int, k: int, device: torch.device | None = None, dtype: t
 @functools.lru_cache
 def _has_wgmma(device: torch.device) -> bool:
     """Hopper (sm_90; Blackwell has no wgmma, and less shared memory on some parts); off-GPU (the interpreter's
-    tests) as an H200."""
+    tests) as Hopper."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
 def gemv_config(m: int, n: int, k: int, swap: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best measured on an H200 for the Qwen3-0.6B shapes
-    (benchmarks/small_gemm.py --sweep, --swap); swap: the swapped product's (swapped())."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest on Hopper, for the Qwen3-0.6B shapes, of the tiles
+    benchmarks/small_gemm.py --sweep (--swap) tries; swap: the swapped product's (swapped())."""
     if m == 1:
         return 8, 512, 4, 3
     if swap:
@@ -232,15 +229,15 @@ def k_splits(k: int, want: int, block_k: int) -> tuple[int, int]:
 
 
 def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device, swap: bool = False) -> int:
-    """K-splits of the general kernel where its columns leave most SMs without a second program: o_proj of
-    Qwen3-0.6B (1,024 columns, 64 programs of 16) at 16 rows took 5.99 us unsplit, 5.45 in 4 splits, on one H200
-    (benchmarks/small_gemm.py; another machine read 5.13 against 5.47); qkv (128 programs) lost with 2 (5.36 ->
-    6.18 us). The swapped product splits less: its o_proj and down (16 programs of 64 columns) in 4."""
+    """K-splits of the general kernel where its columns leave most SMs without a second program, such as o_proj of
+    Qwen3-0.6B at 16 rows (1,024 columns, 64 programs of 16), split in 4 (a gain that depends on the machine:
+    docs/kernels.md). With two programs a SM already, splitting loses (its qkv, 128 programs). The swapped product
+    splits less: its o_proj and down (16 programs of 64 columns) in 4."""
     programs = triton.cdiv(n, block_n)
     if m == 1 or 2 * programs > sm_count(device):
         return 1
-    if swap:  # up to half the SMs, no further: Qwen3-8B's o_proj (64 programs) at 16 rows took
-        # 12.6 us unsplit, 13.1 in 2 splits and 15.5 in 4; its down (K 12,288) 31.6 / 31.2 / 33.8
+    if swap:  # up to half the SMs, no further: past that, splits do not pay for Qwen3-8B's o_proj and down
+        # (64 programs each at 16 rows)
         return k_splits(k, min(MAX_SPLIT_K, max(1, sm_count(device) // 2 // programs)), block_k)[0]
     return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
 

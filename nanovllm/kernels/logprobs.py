@@ -1,7 +1,7 @@
 """What a step's logprobs need from the logits, in one read of them: each row's logsumexp and its k largest logits
-with their ids (sampling/sampler.py subtracts the one from the others). torch took a float32 copy of the logits,
-logsumexp and topk over it: 1,006 us at batch 256 (Qwen3's 151,936-token vocabulary, one H200) against 78 for the
-sampling itself (docs/benchmarks.md).
+with their ids (sampling/sampler.py subtracts the one from the others). torch would take a float32 copy of the
+logits and run logsumexp and topk over it, at large batches many times the cost of the sampling itself
+(docs/kernels.md).
 
 A program streams one chunk of a row (about the race kernel's split, race.race_chunks; the last chunk takes the
 remainder, so every chunk holds at least k ids) block by block. It keeps an online maximum and sum of exponentials,

@@ -135,7 +135,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized for an H200 (227 KiB shared memory per SM)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized for Hopper (227 KiB shared memory per SM)."""
     if dtype == torch.float32:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     elif head_dim <= 64:

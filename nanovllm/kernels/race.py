@@ -13,11 +13,11 @@ race among sorted candidates). The kernel then scores in base 2, argmax(logits *
 log2(e))) (the same order: the natural-log score times log2(e), less a constant), with the GPU's one-instruction
 log2 (lg2.approx: absolute error about 2^-22 near 1, so E is about 2e-5 off, relatively, where the series for
 small U hands over). Each lane of a program's block keeps its own best across the blocks; the program reduces
-them once, at the end. (The race was bound by its arithmetic and per-block reductions, not by
-reading the logits: on one H200, benchmarks/race_time.py, batch 256 242 -> 78 us, batch 16 25 -> 13.)
+them once, at the end. (Without these two the race is bound by its arithmetic and per-block reductions, not by
+reading the logits. Measured gain: docs/kernels.md.)
 
 A batch under 4 rows a SM splits each row's vocabulary over several programs (one program per row would stream 152k
-ids on one SM: 150 us at batch 1), each keeping its chunk's best; a second kernel picks each row's best chunk. The
+ids on one SM while the others idle), each keeping its chunk's best; a second kernel picks each row's best chunk. The
 draws do not depend on the split (the counter is the token id // 4)."""
 import os
 
@@ -125,8 +125,8 @@ def _race_pick_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
 
 def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """(chunks per row, tokens per chunk): about four programs per SM in all (so at most 4 x SMs chunks a row),
-    chunks of at least 1,024 ids. On one H200 (benchmarks/race_time.py) four a SM against two: batch 16 15.5 ->
-    13.3 us, batch 64 34.6 -> 27.2, batch 256 (3 chunks against 1) 77.5 -> 78.6."""
+    chunks of at least 1,024 ids. Four programs a SM rather than two: faster at batches 16-64, about even at 256
+    (docs/kernels.md)."""
     sms = sm_count(device)
     if batch >= PROGRAMS_PER_SM * sms:
         return 1, vocab

@@ -22,7 +22,7 @@ def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, h0, num_heads, cos, s
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # in float32 up to the one final rounding: the eager path rounds the normed heads to 16 bits before
         # rotating them, and the rotation's cancellation can turn that into a large error on a small output (a
-        # double-rounding variant missed the float32 reference by 0.024 on one of 16.7M bf16 elements, an H200)
+        # variant that rounds twice misses the float32 reference by 0.024 on a rare bf16 element)
         inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         x1 = x1 * inv * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
         x2 = x2 * inv * tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
@@ -103,8 +103,8 @@ HEADS_PER_PROGRAM = 2
 
 def heads_per_program_for(tokens: int) -> int:
     """Heads per program (0: all of a token's, one program per token). A few tokens give a few programs, one per
-    token on as many SMs: two heads per program took the kernel from 2.6 to 2.2 us at batch 1 on an H200 and from
-    2.9 to 2.7 at batch 16 (benchmarks/profile_step.py, docs/benchmarks.md); at batch 64 it did not help."""
+    token on as many SMs: two heads per program make the kernel faster at batches 1-16 (docs/kernels.md); at batch
+    64 they do not help."""
     return HEADS_PER_PROGRAM if tokens <= SPLIT_HEADS_UP_TO else 0
 
 
@@ -157,8 +157,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         *(k_cache.stride()[:3] if store is not None else (0, 0, 0)), *(v_cache.stride() if store is not None else
                                                                       (0, 0, 0, 0)),
         *(k_scale.stride()[:2] if quant else (0, 0)), num_q_heads, num_k_heads, eps,
-        int(tokens > 1),  # trigger_first past one token: with it batch 1 lost 0.01-0.03 ms/token at contexts of
-        # 512-2,560 (mixed at 512-640; docs/benchmarks.md)
+        int(tokens > 1),  # trigger_first past one token: at batch 1 it makes decode slower (docs/kernels.md)
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,

@@ -4,8 +4,7 @@ scale, amax / the format's largest value, and V is stored token-major (layers/at
 Grid: (groups of BLOCK_T consecutive tokens of the step, kv heads). When a group's slots are one run inside one
 block (a prefill's tokens), a token-major V is written as a [head_dim, BLOCK_T] tile addressed as base + arange
 along the tokens, so a warp's byte stores fill shared memory sectors; with scattered slots (decode) each byte is
-its own store. (Written byte by byte, the fp8 store took 272 us per layer of a 16k-token prefill on an H200, 17%
-of the step: docs/benchmarks.md.)"""
+its own store. (Written byte by byte, a long prefill's fp8 store is a large share of the step: docs/kernels.md.)"""
 import torch
 import triton
 import triton.language as tl

@@ -6,7 +6,7 @@ from torch import nn
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> silu(first half) * second half."""
     gate, up = x.chunk(2, -1)
-    return F.silu(gate).mul_(up)  # in place: a second fresh output cost a 4,600-row prefill 24 ms per layer on CPU
+    return F.silu(gate).mul_(up)  # in place: a second fresh output is costly on CPU for a long prefill
 
 
 class SiluAndMul(nn.Module):

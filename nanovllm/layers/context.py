@@ -9,8 +9,8 @@ ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 
 
 def to_device_packed(to_device: ToDevice, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Several lists of one dtype in one host-to-device copy, each returned as a 1-D view. A decode step's host
-    time went mostly to small tensors each pinned and copied (benchmarks/host_time.py, docs/benchmarks.md). Each
+    """Several lists of one dtype in one host-to-device copy, each returned as a 1-D view: small tensors each
+    pinned and copied on their own would take most of a decode step's host time (benchmarks/host_time.py). Each
     view starts 16-byte aligned, as a tensor of its own would: Triton compiles a kernel per pointer alignment."""
     align = max(1, 16 // dtype.itemsize)
     flat, offsets = [], []

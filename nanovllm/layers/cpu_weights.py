@@ -1,14 +1,13 @@
 """CPU float32 matmuls through oneDNN, with each weight packed once into oneDNN's blocked layout.
 
-MKL reads a row-major [out, in] float32 weight slowly for the skinny products of decode: on this team's 2-core AVX2
-EPYC the bundled 135M model's matmuls took 54.3 ms per one-row step with layers/linear.linear and 30.3 ms with
-packed weights (32 rows: 120.5 -> 97.0 ms; 512 rows: 1,172 -> 1,005; benchmarks/cpu_ops.py). Packing replaces the
-parameter's storage (no second copy): `layer.weight` becomes a new Parameter of the same name, shape and dtype, in
-torch's mkldnn layout, which only `linear` below and `unpack` read. The runner unpacks before anything writes
-weights (update_weights unpacks just the weights it writes, as it writes them, and packs them again after:
+MKL reads a row-major [out, in] float32 weight slowly for the skinny products of decode; oneDNN reads a packed one
+faster, at one row and at prefill sizes too (benchmarks/cpu_ops.py; measured gain: docs/kernels.md). Packing replaces
+the parameter's storage (no second copy): `layer.weight` becomes a new Parameter of the same name, shape and dtype, in
+torch's mkldnn layout, which only `linear` below and `unpack` read. The runner unpacks before anything writes weights
+(update_weights unpacks just the weights it writes, as it writes them, and packs them again after:
 `unpacked_on_write`; sleep level 2 unpacks all before freeing them: the update_weights that brings them back packs
-them). A weight that an embedding shares (a tied LM head) stays dense for the lookup; the
-head then keeps its own packed copy in `packed` (one more copy of that matrix)."""
+them). A weight that an embedding shares (a tied LM head) stays dense for the lookup; the head then keeps its own
+packed copy in `packed` (one more copy of that matrix)."""
 from contextlib import contextmanager
 
 import torch

@@ -26,9 +26,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     - CUDA, 1-16 rows of a 16-bit model (small-batch decode): the Triton kernel of kernels/gemv.py, a read of W that
       cuBLAS does slower at these shapes;
     - CPU: a weight the runner packed for oneDNN (layers/cpu_weights.py); else 2-64 float32 rows (decode) as
-      (W @ x^T)^T, which MKL runs as a tall-skinny product that streams W at twice the rate: on 2 cores (AVX2 EPYC)
-      the bundled 135M model's matmuls per decode step took 83 ms at 4 rows with F.linear and 46 ms so (16 rows:
-      97 -> 73, 32: 134 -> 116, 64: 278 -> 237; one row: 50 both)."""
+      (W @ x^T)^T, which MKL runs as a tall-skinny product that streams W faster than F.linear's (measured gain:
+      docs/kernels.md)."""
     if x.is_cuda:
         if small_batch_rows(x, weight):
             from nanovllm.kernels.gemv import gemv

@@ -25,7 +25,7 @@ class RotaryEmbedding(nn.Module):
         if rope_type not in ("default", None, "llama3"):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
         if torch.get_default_device().type == "meta":  # a layout copy (ModelRunner.check_weights): the shape is
-            # enough, and arange on the meta device imports torch._refs (2.3 s of a CPU RL loop's first update_weights)
+            # enough, and arange on the meta device imports torch._refs (seconds of a CPU RL loop's first weight update)
             cache = torch.empty(max_position, head_dim, dtype=torch.float)
         else:
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

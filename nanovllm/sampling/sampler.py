@@ -162,7 +162,7 @@ class Sampler(nn.Module):
 
     def _step_seed(self, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
         """This step's seed for the race's own draws: one element of a block drawn at once, so that a step launches
-        no kernel for it (a draw a step cost a kernel and its gap, about 3 us). Every other element is used, so
+        no kernel for it (a draw a step would cost a kernel and its gap, about 3 us). Every other element is used, so
         each seed starts 16-byte aligned: Triton compiles a kernel per pointer alignment."""
         if self._seeds is None or self._seeds_used == SEED_BLOCK or self._seeds_from is not generator:
             self._seeds = torch.randint(1 << 62, (SEED_BLOCK, 2), generator=generator, device=device)

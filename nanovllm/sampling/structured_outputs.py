@@ -228,8 +228,8 @@ class GrammarCompiler:
 
 # ---- the per-step host work: many matchers at once ----------------------------------------------------------
 
-# On an H200 host (16 CPUs), 256 rows with a tokenizer-wide grammar (benchmarks/grammar_host.py): advance + fill
-# 4.9 ms per step on 1 thread, 4.5 on 4, 7.1 on 8, 8.8 on 16 (more threads: more handing over than work)
+# Threads for advance + fill at most: past a few, handing rows over costs more than the work it spreads (256 rows
+# with a tokenizer-wide grammar are fastest on about 4; benchmarks/grammar_host.py measures it)
 MAX_THREADS = 4
 MIN_CHUNK = 16  # rows a thread takes at least: a smaller chunk costs more to hand over than to do
 

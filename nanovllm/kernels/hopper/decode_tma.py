@@ -2,7 +2,7 @@
 
 The split-K kernel of decode.py reads a split's one or two tiles at once and then waits; at batch 16 its 640
 working programs form about one wave that asks for all its bytes together, computes, merges, and leaves DRAM idle
-during the ramp and the tail (docs/benchmarks.md: 51.7% of DRAM peak at 16 x 640). Here each program keeps STAGES
+during the ramp and the tail (about half of DRAM peak at 16 x 640). Here each program keeps STAGES
 K/V tiles in flight in shared memory (TMA copies completing on an mbarrier per ring slot) and walks up to
 CHUNK_TOKENS of its context within the caller's bound (a longer context gets longer chunks, one a program of
 the grid), computing on one tile while the next ones arrive. A context within one chunk
@@ -25,15 +25,9 @@ Widening keeps one program of 4 warps from streaming fp8 at the SM's share of DR
 head) pair has an SM an fp8 context is cut in short chunks, two programs an SM (chunk_tiles_for).
 
 decode.decode_attention takes it where stages_for says (a rule on shapes and the graph's context bound only, so
-captured graphs stay valid) and usable() holds. Measured on one H200 (docs/benchmarks.md, 2026-12-03; Qwen3-0.6B
-attention, 16 query and 8 KV heads, bound 4,096; us a launch, split-K -> this): 16 x 640 18.8 -> 16.1, 12 x 640
-15.9 -> 13.8, 16 x 2,048 43.7 -> 40.5, 16 x 4,096 79.0 -> 76.0; decode at batch 16 1.241-1.242 -> 1.181-1.188
-ms/token, batch 32 1.899-1.907 -> 1.737-1.739. It loses where one long context sits among short ones: 15 x 640 +
-1 x 4,096 28.2 -> 31.1, 15 x 128 + 1 x 4,096 16.4 -> 23.1 (a 1,024-token chunk is 16 tiles in a row on one SM),
-and below MIN_PROGRAMS (8 x 2,048: 26.1 -> 29.4 without chunks; batches 2 and 4 decoded slower). fp8 (2026-12-04,
-split-K -> this): 16 x 640 16.3 -> 15.1, 32 x 640 28.6 -> 18.9, 16 x 2,048 36.2 -> 36.3; decode at batch 16
-1.253-1.261 -> 1.179-1.185 ms/token (as bf16; 1.144-1.170 with chunk_tiles_for's short chunks), batch 32
-1.954-1.958 -> 1.579-1.589 (bf16: 1.73).
+captured graphs stay valid) and usable() holds. Against the split-K kernel it is faster or even on batches of similar
+contexts, 16-bit and fp8 alike, and slower where one long context sits among short ones (a 1,024-token chunk is 16
+tiles in a row on one SM) and below MIN_PROGRAMS, where too few SMs stream (measured: docs/kernels.md).
 """
 import functools
 
@@ -61,7 +55,7 @@ LOG2E = 1.4426950408889634
 CHUNK_TOKENS = 1024  # a program walks at most this many tokens within the bound: longer contexts merge partials
 FP8_SHORT_CHUNK_TILES = 3  # an fp8 cache's chunks where every (sequence, KV head) has an SM (chunk_tiles_for)
 MIN_PROGRAMS = 96  # fewer (sequence, KV head) programs than this stream on too few SMs: the split-K kernel
-MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (the merges measured); past it the split-K kernel
+MAX_CONTEXT = 4096  # bounds up to 4 chunks a context (no deeper merge has been timed); past it the split-K kernel
 
 
 if gluon is not None:
@@ -264,12 +258,10 @@ if gluon is not None:
 
 def stages_for(programs: int, max_context_len: int, sm_count: int, fp8: bool = False) -> int:
     """How deep a ring the kernel runs for `programs` (batch x KV heads) under the context bound, or 0 where the
-    split-K kernel serves instead: from MIN_PROGRAMS up to two programs an SM, for bounds up to MAX_CONTEXT. Four
-    32 KB slots (133 KB of shared memory) where every program has an SM, three (100 KB, two programs an SM) past
-    that. Measured before chunks (one program per sequence and KV head): 16 x 640 15.1 us with 4, 16.7 with 3
-    (batch 16 decode 1.177-1.178 against 1.223 ms/token); 32 x 640 23.7 with 3, 26.7 with 4. An fp8 cache takes
-    three where every pair has an SM too: its contexts are then cut in short chunks (chunk_tiles_for), two
-    programs an SM."""
+    split-K kernel serves instead: from MIN_PROGRAMS up to two programs an SM, for bounds up to MAX_CONTEXT.
+    Four 32 KB slots (133 KB of shared memory) where every program has an SM, three (100 KB, two programs an SM)
+    past that: each is the faster depth on its side (docs/kernels.md). An fp8 cache takes three where every pair
+    has an SM too: its contexts are then cut in short chunks (chunk_tiles_for), two programs an SM."""
     if gluon is None:
         return 0
     if not MIN_PROGRAMS <= programs <= 2 * sm_count or max_context_len > MAX_CONTEXT:
@@ -279,12 +271,10 @@ def stages_for(programs: int, max_context_len: int, sm_count: int, fp8: bool = F
 
 def chunk_tiles_for(programs: int, sm_count: int, fp8: bool = False) -> int:
     """The fewest tiles a chunk holds (a context is cut over the grid's chunks, each at least this long). 16-bit:
-    CHUNK_TOKENS, so contexts up to 1,024 tokens are one program. fp8 where every (sequence, KV head) pair has an
-    SM: 3 tiles (384 tokens), so a context of 385-768 tokens is two programs, two an SM: widening fp8 and the two
-    products keep one program of 4 warps from streaming at the SM's share of DRAM (one H200, bound 4,096, us a
-    launch, 1,024-token chunks and 4 slots -> this: 16 x 640 15.1 -> 13.4, 12 x 640 11.7 -> 10.8, 15 x 640 + 1 x
-    4,096 27.5 -> 25.8; batch 16 decode 1.188-1.209 -> 1.144-1.155 ms/token). Past that (two pairs an SM
-    already) a second program a pair would wait for a second wave (32 x 640: 18.9 us unsplit, 23.8 so)."""
+    CHUNK_TOKENS, so contexts up to 1,024 tokens are one program. fp8 where every (sequence, KV head) pair has an SM:
+    3 tiles (384 tokens), so a context of 385-768 tokens is two programs, two an SM: widening fp8 and the two products
+    keep one program of 4 warps from streaming at the SM's share of DRAM, so two programs a pair read faster
+    (docs/kernels.md). Past that (two pairs an SM already) a second program a pair would wait for a second wave."""
     if fp8 and programs <= sm_count:
         return FP8_SHORT_CHUNK_TILES
     return CHUNK_TOKENS // (FP8_BLOCK_N if fp8 else BLOCK_N)

@@ -8,8 +8,7 @@ Launched this way:
   batch-1 step reads the next layer's weights while the current kernel finishes;
 - the small kernels between the linear layers (RMSNorm, SiLU-and-mul, q/k norm + rotary) and the general linear
   kernel of gemv.py (2-16 rows, and one row past ROW_MAX_K; the LM head and MoE router too), which wait first
-  thing: their launch overlaps the kernel before instead of following it (batch 16 on one H200: 1.41 -> 1.33
-  ms/token for the small kernels, 1.335 -> 1.27 for the linear kernel; docs/benchmarks.md);
+  thing: their launch overlaps the kernel before instead of following it (measured gain: docs/kernels.md);
 - decode attention in splits of at most two tiles (batches 1-16 with 8 KV heads, up to a max_model_len of 8,192),
   which asks L2 for its K/V before it waits (decode.launched_early); programs with no keys leave at once;
 - the TMA-ring decode attention (decode_tma.py; on Hopper at batches 12-33 with 8 KV heads and a max_model_len up
@@ -18,9 +17,9 @@ Launched this way:
 Each triggers its dependents as it starts (the linear kernels; the rotary kernel past one token, so that decode
 attention's requests overlap the qkv projection too), or (RMSNorm, SiLU, rotary at one token, early decode
 attention, the TMA-ring decode attention) once its wait is over.
-The eighth session found the 2-16-row kernel slower under PDL, when the kernels before it did not trigger early;
-loading its first W tile before the wait lost too (docs/benchmarks.md). benchmarks/kernel_chain.py measures a
-launch's cost on a GPU. gdc_wait is a no-op in a kernel not launched that way; gdc_launch_dependents there
+The 2-16-row kernel gains under PDL only where the kernels before it trigger early (else it is slower), and it
+loads no W tile before its wait (that is slower too). benchmarks/kernel_chain.py measures a launch's cost on a
+GPU. gdc_wait is a no-op in a kernel not launched that way; gdc_launch_dependents there
 still lets a kernel after it that is launched under PDL start early (the 1-16-row o_proj after decode attention
 that is not launched early: an fp8 or float32 cache, or splits of 3 or more tiles). CUDA graphs keep the launch
 attribute."""

@@ -7,8 +7,8 @@ head's scales for consecutive tokens from consecutive addresses.
 V is stored token-major: each block as [kv_heads, head_dim, block_size], so a head's consecutive tokens are
 consecutive bytes (K keeps the 16-bit layout, [block_size, kv_heads, head_dim]). The decode kernel's p @ V takes V
 as the matrix operand whose reduction runs over tokens; with 8-bit values Triton can only feed it from a
-token-contiguous layout without byte-by-byte shuffles (with V stored like K the fp8 kernel spilled registers and
-ran at 56% of the copy bandwidth on a bench-like batch; token-major, 80%: docs/benchmarks.md). Every consumer
+token-contiguous layout without byte-by-byte shuffles (with V stored like K the fp8 kernel spills registers and
+reads well below the copy bandwidth: docs/kernels.md). Every consumer
 indexes V as [blocks, block_size, kv_heads, head_dim] through its strides. The torch functions here are the
 reference the Triton kernels are tested against."""
 import torch

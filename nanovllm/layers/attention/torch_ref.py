@@ -65,7 +65,7 @@ class TorchAttention(AttentionBackend):
             else:
                 ks, vs = k[q0:q1], v[q0:q1]
             if len_q == len_k:  # no history: causal from the top left; without a mask SDPA's fused CPU kernel
-                # takes enable_gqa and skips the masked half (2.4 -> 1.7 ms for 256 tokens, 9 heads on 3)
+                # takes enable_gqa and skips the masked half
                 o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1)[None], ks.transpose(0, 1)[None],
                                                    vs.transpose(0, 1)[None], is_causal=True, scale=scale,
                                                    enable_gqa=q.size(1) != ks.size(1))
@@ -91,8 +91,7 @@ class TorchAttention(AttentionBackend):
         """Per group of up to GROUP sequences of similar context length: (sequence ids [n], blocks and offsets
         [n, length] of the cache rows to gather, the same as flat row ids [n * length], valid [n, 1, 1, length]
         (None for one sequence: no padding), the first row when they are one run of the cache, else None).
-        On 2 cores, 32 sequences of 160-384 tokens: 2.3 ms per layer in one call, 1.6 in groups of 8 (less
-        padding read, no extra calls' worth of cost)."""
+        Grouping by length saves more padding reads than its extra calls cost (docs/kernels.md)."""
         if self._rows is None or self._rows[0] is not context.context_lens or self._rows[1] is not context.block_tables:
             lens = context.context_lens.long()
             order = torch.argsort(lens, stable=True)
@@ -118,8 +117,8 @@ class TorchAttention(AttentionBackend):
 
     def _buffer(self, which: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         """A gather destination reused by every layer and group (one for K, one for V): allocating them per call
-        made the allocator map and fault in fresh pages each time (a 19 MB gather alone: 0.7 ms into a kept buffer,
-        1-11 ms into fresh ones as the process aged). A quarter of headroom, as contexts grow by a token a step."""
+        makes the allocator map and fault in fresh pages each time, which costs more than the gather itself, and
+        more as the process ages. A quarter of headroom, as contexts grow by a token a step."""
         numel = math.prod(shape)
         buf = self._buffers[which]
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
@@ -132,7 +131,7 @@ class TorchAttention(AttentionBackend):
         if not cache.is_contiguous():  # an fp8 V, stored token-major
             return raw(cache)[blocks, offsets].view(cache.dtype)
         src = raw(cache).view(-1, *cache.shape[2:])
-        if start is not None:  # a slice, no copy (at batch 1 in the engine: 51 us per gather, 3 us so)
+        if start is not None:  # a slice, no copy (far cheaper than a gather at batch 1)
             rows = src[start : start + flat.numel()]
         else:  # index_select over whole rows: about 7x faster on CPU than the 2-D index
             rows = torch.index_select(src, 0, flat, out=self._buffer(buffer, (flat.numel(), *src.shape[1:]), src))
