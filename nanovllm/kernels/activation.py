@@ -19,7 +19,7 @@ def silu_mul(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (kernels/pdl.py): wait for the kernel before; the down projection's kernel may then
+    if PDL:  # launched early (hopper/pdl.py): wait for the kernel before; the down projection's kernel may then
         tl.extra.cuda.gdc_wait()  # start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     token, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

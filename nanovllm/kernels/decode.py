@@ -66,7 +66,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr, SPLIT_IN_BLOCK: tl.constexpr,
                    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, EARLY: tl.constexpr = False,
                    PREFETCH_TILES: tl.constexpr = 0):
-    if PDL and not EARLY:  # the o_proj kernel after this one may start loading its weights (kernels/pdl.py)
+    if PDL and not EARLY:  # the o_proj kernel after this one may start loading its weights (hopper/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table_row_ptr = table_ptr + seq.to(tl.int64) * stride_table

@@ -19,7 +19,7 @@ def rms_normed(x, w, n, eps, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (kernels/pdl.py): wait for the kernel before; the next linear layer's kernel may then
+    if PDL:  # launched early (hopper/pdl.py): wait for the kernel before; the next linear layer's kernel may then
         tl.extra.cuda.gdc_wait()  # start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)

@@ -56,7 +56,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
                          STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
                          FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (kernels/pdl.py): with trigger_first, early decode attention may launch and ask L2 for
+    if PDL:  # launched early (hopper/pdl.py): with trigger_first, early decode attention may launch and ask L2 for
         # its K/V while the qkv projection runs (kernels/decode.py); then wait for that projection before reading or
         # writing anything
         if trigger_first:

@@ -2,7 +2,7 @@
 last-one-merges (each launch leaves them zero again) and the linear kernel's split partials. One buffer per
 (device, name), grown when a launch needs more and never inside CUDA graph capture: the first step of a size runs
 eagerly before its graph is captured (largest first). Launches on one stream overlap only under PDL
-(kernels/pdl.py), where a kernel touches these buffers only after gdc_wait, when the launches before it are done:
+(hopper/pdl.py), where a kernel touches these buffers only after gdc_wait, when the launches before it are done:
 so one buffer serves every layer."""
 import torch
 
