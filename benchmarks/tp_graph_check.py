@@ -41,7 +41,6 @@ if __name__ == "__main__":
 
 VARIANTS = {
     "graphs": {},
-    "graphs_nocompile": {"NANOVLLM_COMPILE": "0"},
     "eager": {"ENFORCE_EAGER": "1"},
 }
 
