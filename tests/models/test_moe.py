@@ -19,7 +19,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 QWEN3_30B = ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b"
 
