@@ -28,7 +28,7 @@ if has startup_probe; then  # first: on a fresh machine this is the cold-cache c
 fi
 if has tests; then
   step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/distributed/test_tensor_parallel.py \
-    --deselect tests/models/test_moe.py  # (the moe step runs those)
+    --deselect tests/models/test_moe.py --deselect tests/kernels/test_fused_moe.py  # (the moe step runs those)
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
   # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. All 177 ran in 103 s on
@@ -39,11 +39,12 @@ if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where 
     tests/sampling/test_sampling.py tests/models/test_models.py tests/engine/test_errors.py
 fi
 if has race; then  # the sampler's race kernel on the GPU (its own noise draws included), the folded gemv kernels
-  step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu or gemv"
+  step gpu_race 120 python3 -m pytest -q -m gpu tests/kernels/ \
+    -k "gpu_rope or gpu_silu or gpu_race or gemv or gpu_fused_step"
 fi
 if has tests_quick; then  # the kernel checks, the engine on the GPU, structured outputs
-  step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu.py \
-    tests/sampling/test_structured.py
+  step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/kernels/ tests/test_gpu.py \
+    tests/sampling/test_structured.py --deselect tests/kernels/test_fused_moe.py
 fi
 if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
@@ -152,7 +153,7 @@ if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks
 fi
 # MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
 if has moe || has moe_tests; then
-  step moe_tests 200 python3 -m pytest -q -m gpu tests/models/test_moe.py
+  step moe_tests 200 python3 -m pytest -q -m gpu tests/models/test_moe.py tests/kernels/test_fused_moe.py
 fi
 if has moe || has moe_kernel; then
   TAIL=14 step moe_kernel 100 python3 benchmarks/moe_kernel.py
