@@ -1,6 +1,6 @@
 """Run one shard of the CPU suite's non-GPU tests (on a GPU machine they take CUDA, device "auto"):
 
-    python3 benchmarks/engine_shard.py K/N tests/test_engine.py ...
+    python3 benchmarks/engine_shard.py K/N tests/engine/test_engine.py ...
 
 collects the files' tests (marker "not gpu"), keeps every N-th from the K-th (1-based, collection order) and runs
 them in one pytest. benchmarks/gpu_suite.sh's engine_cuda step uses it (1/1, all of them, took 103 s on an H200;

@@ -27,23 +27,24 @@ if has startup_probe; then  # first: on a fresh machine this is the cold-cache c
   TAIL=14 step startup_probe 120 python3 benchmarks/startup_probe.py --tokenizer "${TOKENIZER:-bench-tokenizer}"
 fi
 if has tests; then
-  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/test_tensor_parallel.py \
-    --deselect tests/test_moe.py  # (the moe step runs those)
+  step gpu_tests 420 python3 -m pytest -q -m gpu tests/ --deselect tests/distributed/test_tensor_parallel.py \
+    --deselect tests/models/test_moe.py --deselect tests/kernels/test_fused_moe.py  # (the moe step runs those)
 fi
 if has engine_cuda; then  # the CPU suite's engine tests, which take CUDA where it is (device "auto"): the CUDA start-up
   # path (warm-ups, graphs, async scheduling) under every feature; CI never runs them there. All 177 ran in 103 s on
   # an H200 (2026-12-02; 15-20 s a test before the KV blocks' Python objects were built lazily).
   # ENGINE_SHARD=k/N runs every N-th test from the k-th (default 1/1: all)
-  step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/1}" tests/test_engine.py \
-    tests/test_async_scheduling.py tests/test_fp8_kv.py tests/test_rl_eval.py tests/test_sampling.py \
-    tests/test_models.py tests/test_errors.py
+  step engine_cuda 560 python3 benchmarks/engine_shard.py "${ENGINE_SHARD:-1/1}" tests/engine/test_engine.py \
+    tests/engine/test_async_scheduling.py tests/engine/test_fp8_kv.py tests/engine/test_rl_eval.py \
+    tests/sampling/test_sampling.py tests/models/test_models.py tests/engine/test_errors.py
 fi
 if has race; then  # the sampler's race kernel on the GPU (its own noise draws included), the folded gemv kernels
-  step gpu_race 120 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k "rope_and_silu or gemv"
+  step gpu_race 120 python3 -m pytest -q -m gpu tests/kernels/ \
+    -k "gpu_rope or gpu_silu or gpu_race or gemv or gpu_fused_step"
 fi
 if has tests_quick; then  # the kernel checks, the engine on the GPU, structured outputs
-  step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu.py \
-    tests/test_structured.py
+  step gpu_tests_quick 300 python3 -m pytest -q -m gpu tests/kernels/ tests/test_gpu.py \
+    tests/sampling/test_structured.py --deselect tests/kernels/test_fused_moe.py
 fi
 if has kernels; then
   TAIL=25 step kernels 240 python3 benchmarks/attention_kernels.py
@@ -152,7 +153,7 @@ if has structured; then  # needs xgrammar, and a tokenizer directory (benchmarks
 fi
 # MoE: its GPU tests, the fused kernel, Qwen3-30B-A3B end to end (61 GB of bf16 weights)
 if has moe || has moe_tests; then
-  step moe_tests 200 python3 -m pytest -q -m gpu tests/test_moe.py
+  step moe_tests 200 python3 -m pytest -q -m gpu tests/models/test_moe.py tests/kernels/test_fused_moe.py
 fi
 if has moe || has moe_kernel; then
   TAIL=14 step moe_kernel 100 python3 benchmarks/moe_kernel.py
@@ -167,7 +168,7 @@ if has multi2 || has tp_check; then
   TAIL=4 step tp_check 300 python3 benchmarks/tp_graph_check.py
 fi
 if has multi2 || has tp_tests; then
-  step tp_tests 270 python3 -m pytest -q -m gpu tests/test_tensor_parallel.py
+  step tp_tests 270 python3 -m pytest -q -m gpu tests/distributed/test_tensor_parallel.py
 fi
 if has multi2 || has tp_bench; then
   step bench_8b_tp1 200 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 1 --no-tqdm
@@ -184,7 +185,7 @@ if has multi2 || has dp2; then  # target: at least 1.9x one engine (bench.py at 
   step bench_dp2 240 python3 bench.py --dp 2 --no-tqdm
 fi
 if has multi2 || has moe_tp2; then
-  step moe_tp2 200 python3 -m pytest -q -m gpu tests/test_moe.py -k gpu_tensor_parallel
+  step moe_tp2 200 python3 -m pytest -q -m gpu tests/models/test_moe.py -k gpu_tensor_parallel
 fi
 if has multi4 || has tp4_bench; then  # target: TP=4 at least 3x TP=1 (Qwen3-8B shape)
   step bench_8b_tp4 240 python3 bench.py --model benchmarks/configs/qwen3-8b --dummy --tp 4 --no-tqdm

@@ -1,5 +1,5 @@
 """nanovllm.ray: the options checked before any actor starts, the module without Ray, and the Ray Data runs (in
-a fresh interpreter: tests/ray_checks.py)."""
+a fresh interpreter: tests/distributed/ray_checks.py)."""
 import importlib.util
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 from nanovllm.ray import build_processor
 from tests.tiny_models import make_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 
 
@@ -21,7 +21,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason='needs pip install "nanovllm[ray]"')
 def test_ray_data_on_a_local_cluster():
-    cmd = [sys.executable, "-m", "pytest", "tests/ray_checks.py", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "tests/distributed/ray_checks.py", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
     assert "4 passed" in done.stdout

@@ -1,8 +1,8 @@
 """nanovllm.ray on a local Ray cluster: a Dataset in, a Dataset out, every row exactly once, outputs equal one
 engine's, also when an actor dies mid-run (Ray restarts it and retries the batch).
 
-Run by tests/test_ray.py in a fresh interpreter: starting Ray forks processes, which a test process grown large by
-the rest of the suite may not be allowed to do. Not collected on its own (no test_ prefix)."""
+Run by tests/distributed/test_ray.py in a fresh interpreter: starting Ray forks processes, which a test process grown
+large by the rest of the suite may not be allowed to do. Not collected on its own (no test_ prefix)."""
 import importlib.util
 import os
 import sys
@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.ray import NanoVLLMActor, build_processor
 from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason='needs pip install "nanovllm[ray]"')

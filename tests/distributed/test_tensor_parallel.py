@@ -28,7 +28,7 @@ from nanovllm.engine.sequence import Sequence
 from tests.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP_OPTIONS = dict(tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=48)
 
 

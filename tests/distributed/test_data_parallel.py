@@ -199,7 +199,7 @@ def test_a_script_without_a_main_guard_is_told_so(chat_model, tmp_path, option):
     script = tmp_path / "unguarded.py"
     script.write_text(f"from nanovllm import LLM\nllm = LLM({chat_model!r}, {option}=2, max_model_len=256, "
                       f"kvcache_block_size=16, num_kvcache_blocks=32, device={DEVICE!r})\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": root})
     assert done.returncode != 0

@@ -68,7 +68,7 @@ def test_rl_rollout_example_runs(llm, gguf_cache):
     wake), in the module's temporary cache, where the fixture already converted the GGUF."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, os.path.join(root, "examples", "rl_rollout.py"), "--iterations", "1",
                            "--n", "2", "--max-tokens", "8"], capture_output=True, text=True, cwd=root, timeout=300,
                           env={**os.environ, "NANOVLLM_CACHE": gguf_cache})

@@ -1,5 +1,5 @@
 """kv_cache_dtype="fp8": an 8-bit KV cache with a float32 scale per token and head (layers/attention/fp8.py).
-On CPU the torch backend is the path under test; the Triton kernels are checked in test_triton_kernels.py."""
+On CPU the torch backend is the path under test; the Triton kernels are checked in tests/kernels/."""
 import os
 import random
 

@@ -17,10 +17,10 @@ from nanovllm.checkpoint import loader
 from nanovllm.checkpoint.plain_config import HF_CONFIG_FIELDS, PlainConfig, read_plain_config
 from nanovllm.config import Config
 from nanovllm.distributed.tensor_parallel import check_tensor_parallel
-from tests.test_models import LLAMA3_ROPE
+from tests.models.test_models import LLAMA3_ROPE
 from tests.tiny_models import make_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 BENCHMARK_CONFIGS = ROOT / "benchmarks" / "configs"
 ABSENT = "<absent>"  # a field the config does not have
 

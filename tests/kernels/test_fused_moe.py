@@ -1,13 +1,20 @@
-"""The fused MoE Triton kernel against the torch experts (nanovllm.layers.moe.fused_experts_torch) on random data.
+"""The fused MoE Triton kernel (kernels/fused_moe.py) against the torch experts (nanovllm.layers.moe.
+fused_experts_torch) on random data: the pairs' alignment into expert tiles, the kernel over loads and tile shapes
+(interpreted on CPU, sizes kept tiny: the interpreter is slow), the tile rule, the kernel benchmark's CPU smoke run;
+on a GPU (marked gpu) bf16 at the 30B-A3B layer shape, a Mixtral shape, no host sync and CUDA-graph replay. Its
+sm_90 compile without a GPU is in test_hopper_compile.py; the MoE models are in tests/models/test_moe.py."""
+import subprocess
+import sys
+from pathlib import Path
 
-Run by tests/test_moe.py in a subprocess with TRITON_INTERPRET=1 (CPU); `check_*` and `routing` are also used there by
-the GPU tests. Not collected on its own (no test_ prefix). Interpreter sizes are kept tiny: it is slow.
-"""
 import pytest
 import torch
 
 from nanovllm.kernels.fused_moe import MoeTiles, align_pairs, fused_moe, max_blocks, moe_tiles
 from nanovllm.layers.moe import fused_experts_torch, route
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
 
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2),
               torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -72,8 +79,7 @@ def check_fused_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, 
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
 
 
-# ---- interpreted on CPU --------------------------------------------------------------------------
-
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_experts, top_k", [(8, 2), (6, 3), (64, 4)])
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 300])
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -83,6 +89,7 @@ def test_align(num_tokens, num_experts, top_k, block_m):
         check_align(ids, num_experts, block_m)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens", [1, 2, 16, 67, 300])
 @pytest.mark.parametrize("load", ["uniform", "skewed"])
@@ -90,6 +97,7 @@ def test_fused_moe(num_tokens, load, dtype):
     check_fused_moe(num_tokens, 8, 2, 64, 48, dtype, load)  # tiles from moe_tiles: block_m 16 to 128
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tiles", [MoeTiles(16, 32, 32, 1, 4, 1), MoeTiles(32, 16, 64, 4, 4, 1),
                                    MoeTiles(64, 64, 16, 2, 4, 1)])
@@ -98,11 +106,13 @@ def test_fused_moe_tiles(tiles, dtype):
     check_fused_moe(50, 6, 3, 40, 40, dtype, "skewed", tiles)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_tokens", [1, 9, 200])
 def test_fused_moe_every_token_to_one_expert(num_tokens):
     check_fused_moe(num_tokens, 8, 2, 32, 32, torch.float32, "one")
 
 
+@pytest.mark.interpreter
 def test_fused_moe_many_experts_and_top_1():
     check_fused_moe(100, 64, 4, 32, 16, torch.float16, "skewed")  # pairs counted in several chunks
     check_fused_moe(33, 4, 1, 32, 16, torch.float32, "uniform")
@@ -113,3 +123,62 @@ def test_tiles_follow_the_batch():
     assert moe_tiles(256 * 8, 128, torch.bfloat16).block_m == 32  # 16 pairs per expert on average
     assert moe_tiles(16384 * 8, 128, torch.bfloat16).block_m == 128  # prefill
     assert moe_tiles(16384 * 8, 128, torch.float32).block_m == 64
+
+
+def test_kernel_benchmark_runs_on_cpu():
+    cmd = [sys.executable, "benchmarks/moe_kernel.py", "--cpu", "--decode", "1"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "GB/s" in proc.stdout and "TFLOP/s" in proc.stdout
+
+
+QWEN3_30B_LAYER = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 64, 256, 512, 2048, 16384])
+@pytest.mark.parametrize("load", ["uniform", "skewed"])
+def test_gpu_kernel_bf16_qwen3_30b_shape(num_tokens, load):
+    s = QWEN3_30B_LAYER
+    check_fused_moe(num_tokens, s["num_experts"], s["top_k"], s["hidden"], s["inter"], torch.bfloat16, load,
+                    device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 100, 3000])
+def test_gpu_kernel_mixtral_shape(num_tokens, dtype):
+    """8 experts, top-2, Mixtral 8x7B's hidden size and half its intermediate size (one rank of two)."""
+    check_fused_moe(num_tokens, 8, 2, 4096, 7168, dtype, "skewed", device="cuda")
+    check_align(routing(num_tokens, 8, 2, "skewed", device="cuda")[1], 8, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_has_no_host_sync_and_replays_in_a_graph():
+    """Captured once in a CUDA graph, replayed with other tokens and routing: equals the reference each time; and an
+    eager call never synchronizes with the host (torch raises on any sync in "error" mode)."""
+    from nanovllm.kernels.fused_moe import fused_moe
+    from nanovllm.layers.moe import fused_experts_torch
+    s, num_tokens = QWEN3_30B_LAYER, 48
+    gate_up, down = random_experts(s["num_experts"], s["hidden"], s["inter"], torch.bfloat16, "cuda")
+    x = torch.randn(num_tokens, s["hidden"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, s["num_experts"], s["top_k"], "uniform", "cuda")
+    fused_moe(x, gate_up, down, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, gate_up, down, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, gate_up, down, weights, ids)
+    for seed, load in ((1, "skewed"), (2, "one"), (3, "uniform")):
+        new_weights, new_ids = routing(num_tokens, s["num_experts"], s["top_k"], load, "cuda", seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = fused_experts_torch(x.float(), gate_up.float(), down.float(), weights, ids)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.bfloat16],
+                                   msg=lambda m, load=load: f"{load}: {m}")

@@ -394,7 +394,7 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(qwen3_tied):
     # host time per decode step went mostly to small tensors each pinned and copied (benchmarks/host_time.py): the
     # step's ids, positions and previous-step rows travel in one int64 copy, its attention metadata in one int32 copy;
     # where a decode graph runs the step (CUDA), all of them in one copy straight into the graphs' buffers
-    # (DecodeGraphs.stage, tests/test_graph_inputs.py), none through _to_device
+    # (DecodeGraphs.stage, tests/engine/test_graph_inputs.py), none through _to_device
     from nanovllm.layers.context import to_device_packed
     with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=128) as llm:
         runner = llm.executor.runner

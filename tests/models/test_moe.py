@@ -1,16 +1,14 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) and the fused MoE kernel.
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral).
 
 CPU: tiny random checkpoints made with transformers give transformers' greedy tokens in float32 (default, chunked
 prefill, preemption, prefix hit), TP=2 over gloo equals TP=1; expert weights load from per-expert and stacked names;
-unsupported configs raise naming the field; the Triton kernel interpreted (tests/moe_kernel_checks.py in a subprocess
-with TRITON_INTERPRET=1) and compiled for Hopper without a GPU. GPU (marked): the kernel in bf16 at the 30B-A3B shape,
-no host syncs, CUDA-graph replay; the engine with graphs equals eager and transformers."""
+unsupported configs raise naming the field. GPU (marked): the engine with graphs equals eager and transformers.
+The fused MoE kernel's own tests are in tests/kernels/test_fused_moe.py (and its sm_90 compile in
+tests/kernels/test_hopper_compile.py)."""
 import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 QWEN3_30B = ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b"
 
@@ -270,108 +268,7 @@ def test_qwen3_30b_a3b_config():
     assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
 
 
-# ---- the Triton kernel without a GPU --------------------------------------------------------------
-
-def test_kernel_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "tests/moe_kernel_checks.py", "-q", "-p", "no:cacheprovider",
-           "--noconftest"]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-
-
-def test_kernel_benchmark_runs_on_cpu():
-    cmd = [sys.executable, "benchmarks/moe_kernel.py", "--cpu", "--decode", "1"]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "GB/s" in proc.stdout and "TFLOP/s" in proc.stdout
-
-
-def test_kernels_compile_for_hopper():
-    """Every tile configuration moe_tiles picks compiles for sm_90 and fits its shared memory."""
-    pytest.importorskip("triton")
-    from nanovllm.kernels import fused_moe as k
-    from tests.test_triton_kernels import _compile_for_hopper
-    index_ptrs = {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "block_rows_ptr")}
-    # (dtype, pairs, whether K divides by block_k: the masked path runs for hidden sizes like the tiny models' 64)
-    for dtype, num_pairs, even_k in [(torch.bfloat16, 8, True), (torch.bfloat16, 8, False),
-                                     (torch.bfloat16, 2048, True), (torch.bfloat16, 4096, True),
-                                     (torch.bfloat16, 131072, True), (torch.float32, 8, False),
-                                     (torch.float32, 131072, True)]:
-        tiles = k.moe_tiles(num_pairs, 128, dtype)
-        t = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-        common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-                      EVEN_K=even_k, PRECISION="ieee" if dtype == torch.float32 else "tf32")
-        launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        _compile_for_hopper(k._gate_up_kernel, {n: t for n in ("x_ptr", "w_ptr", "act_ptr")} | index_ptrs,
-                            dict(TOP_K=8, **common), **launch)
-        _compile_for_hopper(k._down_kernel, {n: t for n in ("act_ptr", "w_ptr", "out_ptr")} | index_ptrs
-                            | {"weights_ptr": "*fp32"}, common, **launch)
-    step, _, _ = k._chunking(131072, 128)
-    _compile_for_hopper(k._count_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, dict(STEP=step, BLOCK_E=128),
-                        num_warps=4)
-    _compile_for_hopper(k._scatter_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32"},
-                        dict(STEP=step, BLOCK_E=128), num_warps=4)
-    _compile_for_hopper(k._offsets_kernel, {n: "*i32" for n in ("counts_ptr", "block_expert_ptr", "block_rows_ptr")},
-                        dict(BLOCK_M=128, BLOCK_C=k.MAX_CHUNKS, BLOCK_E=128, BLOCK_B=64), num_warps=8)
-
-
 # ---- GPU ------------------------------------------------------------------------------------------
-
-QWEN3_30B_LAYER = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 16, 64, 256, 512, 2048, 16384])
-@pytest.mark.parametrize("load", ["uniform", "skewed"])
-def test_gpu_kernel_bf16_qwen3_30b_shape(num_tokens, load):
-    from tests.moe_kernel_checks import check_fused_moe
-    s = QWEN3_30B_LAYER
-    check_fused_moe(num_tokens, s["num_experts"], s["top_k"], s["hidden"], s["inter"], torch.bfloat16, load,
-                    device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens", [1, 100, 3000])
-def test_gpu_kernel_mixtral_shape(num_tokens, dtype):
-    """8 experts, top-2, Mixtral 8x7B's hidden size and half its intermediate size (one rank of two)."""
-    from tests.moe_kernel_checks import check_align, check_fused_moe, routing
-    check_fused_moe(num_tokens, 8, 2, 4096, 7168, dtype, "skewed", device="cuda")
-    check_align(routing(num_tokens, 8, 2, "skewed", device="cuda")[1], 8, 64)
-
-
-@pytest.mark.gpu
-def test_gpu_kernel_has_no_host_sync_and_replays_in_a_graph():
-    """Captured once in a CUDA graph, replayed with other tokens and routing: equals the reference each time; and an
-    eager call never synchronizes with the host (torch raises on any sync in "error" mode)."""
-    from nanovllm.kernels.fused_moe import fused_moe
-    from nanovllm.layers.moe import fused_experts_torch
-    from tests.moe_kernel_checks import TOLERANCES, random_experts, routing
-    s, num_tokens = QWEN3_30B_LAYER, 48
-    gate_up, down = random_experts(s["num_experts"], s["hidden"], s["inter"], torch.bfloat16, "cuda")
-    x = torch.randn(num_tokens, s["hidden"], device="cuda", dtype=torch.bfloat16)
-    weights, ids = routing(num_tokens, s["num_experts"], s["top_k"], "uniform", "cuda")
-    fused_moe(x, gate_up, down, weights, ids)  # compile outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_moe(x, gate_up, down, weights, ids)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, gate_up, down, weights, ids)
-    for seed, load in ((1, "skewed"), (2, "one"), (3, "uniform")):
-        new_weights, new_ids = routing(num_tokens, s["num_experts"], s["top_k"], load, "cuda", seed=seed)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        ref = fused_experts_torch(x.float(), gate_up.float(), down.float(), weights, ids)
-        torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.bfloat16],
-                                   msg=lambda m, load=load: f"{load}: {m}")
-
 
 @pytest.fixture
 def no_tf32():

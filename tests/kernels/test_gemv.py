@@ -1,0 +1,227 @@
+"""The small-batch linear kernels (kernels/gemv.py): gemv (one row; 2-16 rows, split over K, swapped), gemv_folded
+(SiLU-and-mul or RMSNorm folded in), gemv_add_norm and gemv_normed (the norm between two projections), against
+F.linear and the torch ops in float32; the rules that pick them and the arguments they refuse (plain CPU).
+Interpreted on CPU; compiled on a GPU (marked gpu), with the one-row kernel's chain under PDL and in a CUDA graph."""
+import pytest
+import torch
+
+from tests.kernels.helpers import DTYPES, assert_close, check_fused_step
+
+
+def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=None):
+    """The small-batch linear kernel (each row layout: one row, a 16-row dot) against F.linear in float32."""
+    from nanovllm.kernels.gemv import gemv
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    out = gemv(x, w, b, config=config)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, ref, dtype, f"gemv m={m} n={n} k={k} bias={bias}")
+
+
+def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
+    """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
+    residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
+    then F.linear in float32; the new residual exact."""
+    from nanovllm.kernels.gemv import gemv_folded
+    from nanovllm.layers import activation, layernorm
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    h = (torch.randn(m, 2 * k, device=device) * 2).to(dtype)
+    ref = torch.nn.functional.linear(activation.silu_and_mul(h).float(), w.float())
+    assert_close(gemv_folded(h, w, gated=True), ref, dtype, f"gated gemv m={m} n={n} k={k}")
+    x, residual = ((torch.randn(m, k, device=device) * 3).to(dtype) for _ in range(2))
+    nw = (torch.rand(k, device=device) + 0.5).to(dtype)
+    y = gemv_folded(x, w, norm=(nw, 1e-6))
+    ref = torch.nn.functional.linear(layernorm.rms_norm(x, nw, 1e-6).float(), w.float())
+    assert_close(y, ref, dtype, f"normed gemv m={m} n={n} k={k}")
+    y, new_residual = gemv_folded(x, w, norm=(nw, 1e-6), residual=residual)
+    normed, ref_residual = layernorm.add_rms_norm(x, residual, nw, 1e-6)
+    assert torch.equal(new_residual, ref_residual)
+    assert_close(y, torch.nn.functional.linear(normed.float(), w.float()), dtype, f"add-normed gemv m={m} k={k}")
+
+
+def check_gemv_add_norm(m: int, n: int, k: int, n_next: int, dtype, configs=(None, None), device="cpu"):
+    """The RMSNorm folded between two small-batch linear layers (gemv's add_norm, then normed): h = x @ W^T +
+    residual and rms_norm(h) * nw @ W2^T + b2 against layernorm.add_rms_norm and F.linear in float32."""
+    from nanovllm.kernels.gemv import gemv_add_norm, gemv_normed
+    from nanovllm.layers import layernorm
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    residual = (torch.randn(m, n, device=device) * 3).to(dtype)
+    nw = (torch.rand(n, device=device) + 0.5).to(dtype)
+    w2 = (torch.randn(n_next, n, device=device) * n ** -0.5).to(dtype)
+    b2 = torch.randn(n_next, device=device).to(dtype)
+    h, rows = gemv_add_norm(x, w, None, residual, nw, 1e-6, config=configs[0])
+    y = gemv_normed(rows, w2, b2, config=configs[1])
+    ref_y = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+    ref_normed, ref_h = layernorm.add_rms_norm(ref_y, residual, nw, 1e-6)
+    what = f"gemv add_norm m={m} n={n} k={k} configs={configs}"
+    assert_close(h, ref_h.float(), dtype, what + ", h")
+    assert_close(rows.x, (ref_h.float() * nw.float()), dtype, what + ", h * nw")
+    ref_next = torch.nn.functional.linear(ref_normed.float(), w2.float(), b2.float())
+    assert_close(y, ref_next, dtype, what + ", next")
+    if n_next % 2 == 0:  # the next layer an MLP's [gate; up], SiLU-and-mul in its epilogue: as the SiLU kernel
+        # after the same layer (against ref_next a 1-ulp difference in gate or up can exceed the tolerance)
+        from nanovllm.layers.activation import silu_and_mul
+        act = gemv_normed(rows, w2, b2, gated_out=True, config=configs[1])
+        assert_close(act, silu_and_mul(y).float(), dtype, what + ", next gated")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 64, 1024, False), (1, 37, 300, True), (1, 20, 5000, True),
+                                        (3, 64, 1024, True), (16, 100, 2048, False)])
+def test_gemv_kernel(m, n, k, bias, dtype):
+    # even shapes (unmasked loads of W) and ragged ones (a partial tile of W rows and of K); one row: the one-row
+    # kernel up to K = 4096, the general one past it
+    check_gemv(m, n, k, dtype, bias)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias,config", [(5, 40, 400, True, (16, 64, 4, 2, 3)),
+                                               (16, 64, 1000, False, (32, 128, 4, 2, 4)),
+                                               (2, 64, 1024, False, (16, 256, 4, 2, 2)),
+                                               (16, 192, 512, False, (64, 128, 4, 4, 1, True)),
+                                               (3, 100, 1000, True, (64, 128, 4, 4, 1, True)),
+                                               (7, 64, 1000, True, (64, 128, 4, 4, 3, True))])
+def test_gemv_split_k(m, n, k, bias, config, dtype):
+    # K cut over programs (the last split shorter: 400 = 192 + 192 + 16, 1000 = 3 x 256 + 232 or 2 x 384 + 232),
+    # the last to arrive adds the partials; the swapped product (y^T = W x^T) whole, ragged, and split; run twice:
+    # each launch leaves the counters at zero for the next
+    for _ in range(2):
+        check_gemv(m, n, k, dtype, bias, config=config)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 1024), (1, 37, 300), (1, 40, 5000)])
+def test_gemv_fused_kernel(m, n, k, dtype):
+    # one row: folded into the one-row kernel; past its K: the separate kernels, then the layer
+    check_gemv_fused(m, n, k, dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,n_next,configs", [
+    (2, 64, 512, 96, (None, None)),
+    (16, 256, 512, 384, ((64, 128, 4, 2, 2, True), (32, 128, 4, 2))),  # a split, swapped producer; plain consumer
+    (7, 96, 200, 80, ((32, 64, 4, 2, 3), (64, 64, 4, 2, 2, True))),  # ragged: masked columns, rows, K; split both
+])
+def test_gemv_add_norm(m, n, k, n_next, configs, dtype):
+    check_gemv_add_norm(m, n, k, n_next, dtype, configs)
+
+
+def test_gemv_split_choice():
+    # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns), o_proj and
+    # down (K 2,048 and 3,072) at 2-16 rows, not for qkv (64 programs, K 1,024), the LM head or one row. K-splits
+    # only where the columns leave most SMs idle: o_proj (4 splits of 512) and down (4 of 768); the count is the one
+    # launched, after rounding to whole tiles
+    from nanovllm.kernels.gemv import gemv_config, gemv_split_k, swapped
+    shapes = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024))
+    cpu = torch.device("cpu")
+
+    def split(m, n, k):
+        swap = swapped(m, n, k, cpu)
+        return gemv_split_k(m, n, k, *gemv_config(m, n, k, swap)[:2], cpu, swap)
+    assert [swapped(16, n, k, cpu) for n, k in shapes] == [False, True, True, True, False]
+    assert [split(16, n, k) for n, k in shapes] == [1, 4, 1, 4, 1]
+    assert split(2, 1024, 3072) == 4 and split(1, 1024, 3072) == 1
+    assert not swapped(1, 6144, 1024, cpu) and swapped(2, 6144, 1024, cpu)
+    assert not swapped(16, 6144, 1024, cpu, torch.float32)  # (its tile would not fit in shared memory)
+    # Qwen3-8B: every projection swapped, none split (64-96 programs; 4 splits of o_proj took 15.5 us, unsplit 12.6)
+    assert [split(16, n, k) for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == [1] * 4
+
+
+def test_small_batch_linear_rule():
+    # On CUDA, layers/linear.linear sends 1-16 unit-stride rows of a 16-bit model to the Triton kernel, everything
+    # else (more rows, float32, strided rows) to F.linear
+    from nanovllm.layers.linear import small_batch_rows
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    for rows, dtype, strided, expect in ((1, torch.bfloat16, False, True), (16, torch.float16, False, True),
+                                         (17, torch.bfloat16, False, False), (4, torch.float32, False, False),
+                                         (4, torch.bfloat16, True, False)):
+        x = torch.randn(rows, 64 if strided else 32).to(dtype)
+        x = x[:, ::2] if strided else x
+        assert small_batch_rows(x, w.to(dtype)) == expect, (rows, dtype, strided)
+
+
+def test_gemv_refuses_the_one_row_kernel_for_more_rows():
+    # the one-row kernel writes row 0 of y alone: forcing it on more rows (a benchmark's row_kernel=True) must fail
+    # before any launch, not return rows of torch.empty
+    from nanovllm.kernels.gemv import gemv, gemv_folded
+    with pytest.raises(ValueError, match="row_kernel: one row"):
+        gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)
+    with pytest.raises(ValueError, match="one row of K"):
+        gemv_folded(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), gated=True)
+
+
+def test_gemv_refuses_a_norm_fold_it_cannot_run():
+    # add_norm and normed run in the general kernel on 2-16 rows; a residual unlike y would be read out of bounds
+    from nanovllm.kernels.gemv import NormedRows, gemv_add_norm, gemv_normed
+    x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)
+    nw = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x[:1], w, None, torch.zeros(1, 8, dtype=torch.bfloat16), nw, 1e-6)
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x, w, None, torch.zeros(3, 16, dtype=torch.bfloat16)[:, :8], nw, 1e-6)
+    with pytest.raises(ValueError, match="2-16 rows, a contiguous residual"):
+        gemv_add_norm(x, w, None, torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="an even N"):
+        gemv_normed(NormedRows(x, torch.zeros(16, 16), 1, 1e-6), w[:7], gated_out=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_gpu_gemv(rows):
+    # the Qwen3-0.6B shapes (qkv, o, gate_up, down, LM head), and a ragged one with a bias
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
+        check_gemv(rows, n, k, torch.bfloat16, False, device="cuda")
+    check_gemv(rows, 1000, 1000, torch.bfloat16, True, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_add_norm():
+    # the norm folded between the Qwen3-0.6B projections at 16 and 9 rows: o_proj -> gate_up, down -> qkv, in
+    # bf16 against float32
+    torch.manual_seed(0)
+    for rows in (16, 9):
+        check_gemv_add_norm(rows, 1024, 2048, 6144, torch.bfloat16, device="cuda")
+        check_gemv_add_norm(rows, 1024, 3072, 4096, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_gemv_row_chain(pdl, monkeypatch):
+    # the one-row kernel with and without programmatic dependent launch, with the norm / residual add / SiLU folded
+    # in: each call reads what the one before wrote, eager and replayed as a CUDA graph: the same bits
+    from nanovllm.kernels import gemv, norm
+    monkeypatch.setattr(gemv, "pdl_enabled", lambda device: pdl)
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (1000, 1000)):
+        check_gemv(1, n, k, torch.bfloat16, n == 1000, device="cuda")
+        check_gemv_fused(1, n, k, torch.bfloat16, device="cuda")
+    check_fused_step(1, torch.bfloat16, device="cuda")
+
+    def weight(n, k):
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    w_a, w_b, w_c = weight(2048, 1024), weight(6144, 2048), weight(1024, 3072)
+    nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    x, res = (torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def chain():
+        h, r = norm.add_rms_norm(x, res, nw, 1e-6)
+        for _ in range(3):
+            h = gemv.gemv_folded(gemv.gemv(gemv.gemv(h, w_a), w_b), w_c, gated=True)
+            h, r = gemv.gemv_folded(h, w_a[:1024].contiguous(), norm=(nw, 1e-6), residual=r)
+        return h, r
+    eager = chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
