@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger("nanovllm")
 
 # Every attribute the engine reads from a model's config (models/, config.py, engine/, loader.py): what the plain
-# reader must reproduce. tests/test_plain_config.py checks that the engine reads nothing else and that both readers
+# reader must reproduce. tests/models/test_plain_config.py checks that the engine reads nothing else and that both readers
 # agree on these.
 HF_CONFIG_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

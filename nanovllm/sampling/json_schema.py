@@ -1,6 +1,6 @@
 """The JSON-schema subset that xgrammar enforces. A schema keyword xgrammar ignores would let through answers the schema
 forbids, silently; such a schema is refused instead, naming the keyword and where it is (as vLLM refuses schemas its
-backend cannot enforce). tests/test_structured.py checks each rule against xgrammar itself, both ways: what is
+backend cannot enforce). tests/sampling/test_structured.py checks each rule against xgrammar itself, both ways: what is
 refused is not enforced, and what is allowed is."""
 import re
 

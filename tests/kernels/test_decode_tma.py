@@ -118,8 +118,8 @@ def test_gpu_decode_tma_fp8(stages, chunk_tiles, heads, kv_heads, head_dim, bloc
 @pytest.mark.gpu
 def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
     # the engine's path (decode_attention): the TMA ring at 12-33 sequences with 8 KV heads and a bound up to 4,096
-    # tokens, the split-K kernel otherwise (and with NANOVLLM_DECODE_TMA=0), for a 16-bit and an fp8 cache; both
-    # give the same attention
+    # tokens, the split-K kernel otherwise (and where stages_for says no), for a 16-bit and an fp8 cache; both give
+    # the same attention
     from nanovllm.kernels import decode
     from nanovllm.kernels.hopper import decode_tma
     from nanovllm.layers.attention.fp8 import token_major
@@ -152,7 +152,7 @@ def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
         assert attend(32, 16, kv_dtype) == ([3] if 256 <= 2 * sms else [])
         assert attend(8, 16, kv_dtype) == []  # 64 programs
         assert attend(16, 17, kv_dtype) == []  # a bound of 4,352 tokens
-    monkeypatch.setenv("NANOVLLM_DECODE_TMA", "0")
+    monkeypatch.setattr(decode_tma, "stages_for", lambda *a, **k: 0)
     assert attend(16, 16) == [] and attend(16, 16, torch.float8_e4m3fn) == []
 
 
