@@ -18,8 +18,8 @@ import torch
 logger = logging.getLogger("nanovllm")
 
 # Every attribute the engine reads from a model's config (models/, config.py, engine/, loader.py): what the plain
-# reader must reproduce. tests/models/test_plain_config.py checks that the engine reads nothing else and that both readers
-# agree on these.
+# reader must reproduce. tests/models/test_plain_config.py checks that the engine reads nothing else and that both
+# readers agree on these.
 HF_CONFIG_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
