@@ -313,8 +313,8 @@ class DataParallelLLM(ChatMixin):
         self._end_calls()
         self._calls += 1
         for rank, payload in payloads.items():
-            self._open[rank] = self._calls
             self._send(rank, (self._calls, kind, payload))
+            self._open[rank] = self._calls  # (after the send: a replica the call never reached owes no answer)
         return self._calls
 
     def _messages(self, call: int) -> Iterator[tuple[int, tuple]]:
