@@ -29,7 +29,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.process import leave_now
 from nanovllm.distributed.tensor_parallel import SPAWN_HINT
 from nanovllm.engine.call_guard import CallGuard
-from nanovllm.engine.llm_engine import StreamDeltas, default_sampling_params
+from nanovllm.engine.llm_engine import StreamDeltas, check_awake, default_sampling_params
 from nanovllm.engine.requests import RequestChecker, as_request_lists
 from nanovllm.sampling_params import SamplingParams
 
@@ -439,11 +439,7 @@ class DataParallelLLM(ChatMixin):
             return results, error
 
     def _check_awake(self):
-        if self._asleep:
-            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} freed by sleep()); call "
-                               "wake_up() first")
-        if self._weights_discarded:
-            raise RuntimeError(f"{self._weights_discarded}; load a full set with update_weights() first")
+        check_awake(self._asleep, self._weights_discarded)
 
     def update_weights(self, weights) -> None:
         """As LLMEngine.update_weights, on every replica: the pairs are checked here, then each replica checks names

@@ -88,6 +88,15 @@ def _weight_pairs(weights) -> list[tuple] | str:
     return weights
 
 
+def check_awake(asleep: set[str], weights_discarded: str | None):
+    """RuntimeError unless requests may run: nothing asleep (sleep()), and the weights a whole set."""
+    if asleep:
+        raise RuntimeError(f"the engine is asleep ({', '.join(sorted(asleep))} freed by sleep()); call wake_up() "
+                           "first")
+    if weights_discarded:
+        raise RuntimeError(f"{weights_discarded}; load a full set with update_weights() first")
+
+
 class _Background:
     """fn(*args) in a daemon thread; result() waits for it and returns its value or raises its exception."""
 
@@ -313,11 +322,7 @@ class LLMEngine:
         return self._grammars
 
     def _check_awake(self):
-        if self._asleep:
-            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} freed by sleep()); call "
-                               "wake_up() first")
-        if self._weights_discarded:
-            raise RuntimeError(f"{self._weights_discarded}; load a full set with update_weights() first")
+        check_awake(self._asleep, self._weights_discarded)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         """Queue one request for step(); returns its first sample (with n > 1, the others are in `.forks` until
