@@ -38,6 +38,11 @@ class SamplingParams:
     structured_outputs: a StructuredOutputsParams (or a dict of its fields) constraining the answer to a JSON
     schema, a regex, a choice or a grammar (docs/structured_outputs.md); the grammar decides where the answer ends,
     so min_tokens cannot be combined with it.
+    vLLM's further fields: detokenize (False: no text, only token ids), spaces_between_special_tokens (passed to the
+    tokenizer's decode), include_stop_str_in_output (the text keeps the stop string that ended it), logit_bias
+    ({token id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to
+    generate, as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens); logits_processors,
+    output_kind and extra_args are accepted at their defaults. max_tokens defaults to 16, as in vLLM.
     """
 
     temperature: float = 1.0
@@ -45,7 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -58,6 +63,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list | None = None
+    output_kind: object = None
+    extra_args: dict | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -77,7 +92,8 @@ class SamplingParams:
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.n < 1:
@@ -123,6 +139,41 @@ class SamplingParams:
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
                              "answer may end (at that point only EOS is allowed); drop min_tokens")
+        self._verify_vllm_fields()
+
+    def _verify_vllm_fields(self):
+        if self._stop and not self.detokenize:
+            raise ValueError("stop strings need the text: drop stop, or keep detokenize=True")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b)
+                                                     for t, b in bias.items()):
+                raise ValueError(f"logit_bias must be a dict of token id -> finite number, got {bias!r:.80}")
+            self.logit_bias = {int(t): float(b) for t, b in bias.items()}
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty: it lists the only tokens that may be sampled")
+            self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+                raise TypeError(f"bad_words must be a list of non-empty str, got {words!r:.80}")
+            self.bad_words = list(words)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be None or an int >= 1, got {k!r}")
+        if self.logits_processors:
+            raise ValueError("logits_processors (callables on the logits) are not supported: nanovllm applies its "
+                             "own on the device; use logit_bias, allowed_token_ids, bad_words or structured_outputs")
+        kind = getattr(self.output_kind, "name", self.output_kind)
+        if kind not in (None, "CUMULATIVE", "FINAL_ONLY"):
+            raise ValueError(f"output_kind {kind!r} is not supported: generate returns whole outputs; use "
+                             "LLM.stream for deltas")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 
     @property
     def stop_strings(self) -> list[str]:

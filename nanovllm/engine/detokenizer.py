@@ -41,11 +41,11 @@ def _longest(stops: list[str]) -> int:
     return max(map(len, stops), default=0)
 
 
-def find_stop(text: str, delta_len: int, stops: list[str]) -> int | None:
-    """Where the first stop string starts in `text`, looking only where one could have been completed by the last
-    `delta_len` characters; None if none is there."""
+def find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """(where the first stop string starts in `text`, that string), looking only where one could have been completed
+    by the last `delta_len` characters; None if none is there."""
     window_start = max(0, len(text) - delta_len - _longest(stops) + 1)
-    hits = [i for i in (text.find(stop, window_start) for stop in stops) if i >= 0]
+    hits = [(i, stop) for stop in stops if (i := text.find(stop, window_start)) >= 0]
     return min(hits) if hits else None
 
 

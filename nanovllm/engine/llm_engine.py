@@ -1,5 +1,6 @@
 import atexit
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -18,6 +19,8 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.inputs import prompt_parts
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.sampling_params import SamplingParams
 
@@ -86,6 +89,11 @@ def _weight_pairs(weights) -> list[tuple] | str:
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights are floating-point tensors")
     return weights
+
+
+def _spaces(sp: SamplingParams) -> dict:
+    """decode()'s spaces_between_special_tokens where it is not the default (fast tokenizers ignore it)."""
+    return {} if sp.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
 
 
 def check_awake(asleep: set[str], weights_discarded: str | None):
@@ -179,6 +187,8 @@ class LLMEngine:
         # One caller at a time: generate, a started stream, step and the weight and memory calls each hold it. A
         # second caller (another thread, or this one while its stream is open) is refused at once.
         self._exclusive = CallGuard()
+        self._request_ids = itertools.count()  # RequestOutput.request_id, as vLLM counts them
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token of each id seen, decoded once
         self._pending = None  # async scheduling: the decode step launched and not yet settled
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
         # sleep(level=2) or a weight update that failed while writing: the weights are not a whole set until an
@@ -308,6 +318,7 @@ class LLMEngine:
         block_size = self.config.kvcache_block_size
         seq = Sequence(token_ids, block_size, sampling_params)
         seq.forks = [Sequence(token_ids, block_size, sampling_params, i) for i in range(1, sampling_params.n)]
+        seq.prompt, seq.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
         if sampling_params.structured_outputs is not None:  # compiled now: a bad spec raises before anything runs
             compiler = self._grammar_compiler()
             for sample in (seq, *seq.forks):
@@ -425,10 +436,12 @@ class LLMEngine:
             return
         hit = find_stop(detok.text, len(delta), stops)
         if hit is not None:
-            detok.text = detok.text[:hit]  # the returned text ends before the stop string
+            at, stop = hit
+            # the returned text ends before the stop string (vLLM's include_stop_str_in_output: after it)
+            detok.text = detok.text[:at + len(stop) if seq.sampling_params.include_stop_str_in_output else at]
             if not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
-            seq.finish_reason = "stop"
+            seq.finish_reason, seq.stop_reason = "stop", stop
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._pending is None
@@ -436,27 +449,47 @@ class LLMEngine:
     def _text(self, seq: Sequence) -> str:
         if seq.detokenizer is not None:
             return seq.detokenizer.text
-        if self.tokenizer is None:
+        sp = seq.sampling_params
+        if self.tokenizer is None or not sp.detokenize:
             return ""
-        skip = seq.sampling_params.skip_special_tokens
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens,
+                                     **_spaces(sp))
 
-    def _sample_output(self, seq: Sequence) -> dict:
-        out = {"text": self._text(seq), "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
-        if seq.sampling_params.logprobs is not None:
-            out["logprobs"] = seq.logprobs
+    def _logprobs(self, entries: list[dict | None], k: int, detokenize: bool) -> list[dict[int, Logprob] | None]:
+        """Logprob dicts of vLLM's shape from the sampler's {token: logprob} dicts: the k most likely, in order (rank
+        1 to k), then the chosen token where it is not among them (its rank is not computed: None)."""
+        texts = self._token_texts
+        out = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            if detokenize and self.tokenizer is not None:
+                for t in entry:
+                    if t not in texts:
+                        texts[t] = self.tokenizer.decode([t])
+            out.append({t: Logprob(value, rank if rank <= k else None, texts.get(t) if detokenize else None)
+                        for rank, (t, value) in enumerate(entry.items(), 1)})
         return out
 
-    def _output(self, samples: list[Sequence]) -> dict:
-        """One prompt's result: its first sample's fields at the top level (as with n=1), every sample in
-        "outputs", and what the prompt shares."""
+    def _sample_output(self, seq: Sequence) -> CompletionOutput:
+        sp = seq.sampling_params
+        logprobs = cumulative = None
+        if sp.logprobs is not None:
+            logprobs = self._logprobs(seq.logprobs, sp.logprobs, sp.detokenize)
+            cumulative = sum(d[t] for d, t in zip(seq.logprobs, seq.completion_token_ids))
+        return CompletionOutput(seq.sample_index, self._text(seq), seq.completion_token_ids, cumulative, logprobs,
+                                seq.finish_reason, seq.stop_reason)
+
+    def _output(self, samples: list[Sequence]) -> RequestOutput:
+        """One prompt's result: every sample, and what the prompt shares."""
         first = samples[0]
-        outputs = [self._sample_output(seq) for seq in samples]
-        out = {**outputs[0], "prompt_token_ids": first.prompt_token_ids,
-               "num_cached_tokens": max(first.num_prefix_hit_tokens, 0), "outputs": outputs}
-        if first.sampling_params.prompt_logprobs is not None:
-            out["prompt_logprobs"] = first.prompt_logprobs
-        return out
+        sp = first.sampling_params
+        prompt_logprobs = self._logprobs(first.prompt_logprobs, sp.prompt_logprobs, sp.detokenize) \
+            if sp.prompt_logprobs is not None else None
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs,
+                             [self._sample_output(seq) for seq in samples], True,
+                             max(first.num_prefix_hit_tokens, 0))
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
         """Each prompt's samples (n sequences; the first carries the others as forks until its prefill). Every
@@ -469,7 +502,7 @@ class LLMEngine:
         requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params))]
         for samples in requests:
             sp = samples[0].sampling_params
-            if (stream or sp.stop_strings) and self.tokenizer is not None:
+            if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
                 for seq in samples:
                     seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
         return requests

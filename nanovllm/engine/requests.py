@@ -6,17 +6,18 @@ from copy import copy
 from dataclasses import dataclass
 from numbers import Integral
 
+from nanovllm.inputs import TextPrompt, TokensPrompt, prompt_parts
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
 def as_request_lists(prompts, sampling_params) -> tuple[list, list]:
     """The call's prompts and one sampling_params entry per prompt (a single value repeated), shapes checked."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        raise TypeError(f"prompts must be a list of str, token-id lists or prompt dicts, got {type(prompts).__name__}")
     if prompts and all(isinstance(p, int) for p in prompts):
         raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
     if not isinstance(sampling_params, (list, tuple)):
@@ -46,7 +47,9 @@ class RequestChecker:
     model: str
     compile_grammar: Callable | None = None
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (its last `truncate`, where given), checked against the model."""
+        _, prompt = prompt_parts(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model!r} has no tokenizer: pass prompts as token-id lists")
@@ -57,7 +60,10 @@ class RequestChecker:
                                                        for t in prompt):
             token_ids = [int(t) for t in prompt]  # numpy and torch integers too
         else:
-            raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"a prompt must be a str, a list of int token ids or a prompt dict (TextPrompt, "
+                            f"TokensPrompt), got {type(prompt).__name__}")
+        if truncate is not None:
+            token_ids = token_ids[-truncate:]
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)
@@ -91,13 +97,20 @@ class RequestChecker:
                              "lower n or raise max_num_seqs")
         if sp.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        if sp.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this model has none; use logit_bias")
+        for name, ids in (("logit_bias", sp.logit_bias or {}), ("allowed_token_ids", sp.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return sp
 
     def check(self, prompt: Prompt, sampling_params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and a checked copy of its SamplingParams; ValueError/TypeError saying what to
-        change for anything the engine would refuse or could not serve."""
+        """The prompt's token ids (its last truncate_prompt_tokens, where set) and a checked copy of its
+        SamplingParams; ValueError/TypeError saying what to change for anything the engine would refuse or could not
+        serve."""
         sp = self.check_params(sampling_params)
-        token_ids = self.tokenize(prompt)
+        token_ids = self.tokenize(prompt, sp.truncate_prompt_tokens)
         blocks = -(-len(token_ids) // self.block_size)
         needed = blocks + fork_copies(len(token_ids), sp.n, self.block_size)
         if needed > self.num_kvcache_blocks:

@@ -151,6 +151,8 @@ class Scheduler:
         if num_completion >= sp.min_tokens and (
                 (not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
             self.finish(seq, "stop")
+            if token_id in sp.stop_token_ids:  # (vLLM's stop_reason: a stop id, never EOS)
+                seq.stop_reason = token_id
         elif num_completion >= seq.max_tokens or length >= self.max_model_len:
             self.finish(seq, "length")
         return seq.is_finished

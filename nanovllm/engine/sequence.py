@@ -35,6 +35,9 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.prompt: str | None = None  # the prompt's text, when it came as text
+        self.request_id = ""  # (the engine's count of requests, as vLLM's)
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos

@@ -35,7 +35,7 @@ def _still_exact(llm, path):
     ([1, 2, 3], TypeError, "wrap"),
     ([[1.5, 2]], TypeError, "list of int"),
     ([[1, True]], TypeError, "list of int"),
-    ([None], TypeError, "str or a list of int"),
+    ([None], TypeError, "a str, a list of int token ids or a prompt dict"),
     (42, TypeError, "prompts must be"),
 ])
 def test_bad_prompts(llm, qwen3_tied, prompts, error, match):
