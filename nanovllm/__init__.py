@@ -1,11 +1,14 @@
-"""nanovllm: a small, fast offline LLM inference engine."""
+"""nanovllm: a small, fast offline LLM inference engine, with vLLM's offline API."""
 import logging
 
+from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling.structured_outputs import StructuredOutputsParams
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 logging.getLogger("nanovllm").addHandler(logging.NullHandler())
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "TextPrompt", "TokensPrompt",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -6,7 +6,8 @@ import torch
 
 from nanovllm.sampling_params import check_seed
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "half": torch.float16}  # (vLLM's aliases)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -19,7 +20,9 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    # Capped at the model's own limit. None: that limit, as in vLLM (whose default it is). 4096 by default here: the
+    # decode kernels split and bound their work by it, and most offline prompts fit (docs/vllm_compat.md)
+    max_model_len: int | None = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # > 1: that many engine replicas in spawned processes (distributed/data_parallel.py)
@@ -56,10 +59,13 @@ class Config:
                 raise TypeError(f"LLM() needs a model: a checkpoint directory (config.json + safetensors) or a .gguf "
                                 f"file; without one it takes the bundled SmolLM2-135M, but {e}") from None
             logging.getLogger("nanovllm").info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
+        from nanovllm.vllm_options import translate
+        kwargs = translate(model, kwargs)  # vLLM's option names and defaults
         valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)}")
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)} and "
+                            "vLLM's (docs/vllm_compat.md)")
         return cls(model, **kwargs)
 
     def __post_init__(self):
@@ -69,7 +75,7 @@ class Config:
                              "(config.json + safetensors) or a .gguf file")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "data_parallel_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         bs = self.kvcache_block_size
         if bs < 16 or bs & (bs - 1):
@@ -103,13 +109,18 @@ class Config:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
                              f"{self.kv_cache_dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):  # ("safetensors" is what "auto" reads)
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
 
         from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config
         self.hf_config = load_hf_config(self.model)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
-        if max_pos:
+        if self.max_model_len is None:
+            if not max_pos:
+                raise ValueError(f"max_model_len=None takes the model's own limit, but {self.model} states none "
+                                 "(no max_position_embeddings): pass max_model_len")
+            self.max_model_len = max_pos
+        elif max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)
         from nanovllm.models import check_model_config  # before any weight is read: unknown arch, sliding window
         check_model_config(self.hf_config, self.max_model_len)
@@ -130,16 +141,17 @@ class Config:
             if not f.init or f.name == "model":
                 continue
             value, expected = getattr(self, f.name), f.type
-            if expected == bool | None:  # None: decided in __post_init__
-                if not (value is None or isinstance(value, bool)):
-                    raise TypeError(f"{f.name} must be True, False or None (automatic), got {value!r}")
+            if value is None and expected in (bool | None, int | None):  # None: decided in __post_init__
                 continue
+            expected = {bool | None: bool, int | None: int}.get(expected, expected)
             ok = {int: isinstance(value, int) and not isinstance(value, bool),
                   float: isinstance(value, (int, float)) and not isinstance(value, bool),
                   bool: isinstance(value, bool),
                   str: isinstance(value, str)}[expected]
             if not ok:
-                raise TypeError(f"{f.name} must be {expected.__name__}, got {value!r}")
+                what = {bool | None: "True, False or None (automatic)",
+                        int | None: "int or None (the model's limit)"}.get(f.type, expected.__name__)
+                raise TypeError(f"{f.name} must be {what}, got {value!r}")
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path, got {type(self.model).__name__}")
         self.model = os.fspath(self.model)

@@ -11,8 +11,9 @@ class TextPrompt(TypedDict):
     prompt: str
 
 
-class TokensPrompt(TypedDict):
-    prompt_token_ids: list[int]
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]  # required
+    prompt: str  # optional: the text the ids came from, reported as RequestOutput.prompt
 
 
 def prompt_parts(prompt) -> tuple[str | None, object]:
@@ -27,13 +28,33 @@ def prompt_parts(prompt) -> tuple[str | None, object]:
     if unknown:
         raise TypeError(f"unknown prompt key(s) {', '.join(map(repr, unknown))}; a prompt dict is a TextPrompt "
                         "{'prompt': str} or a TokensPrompt {'prompt_token_ids': [int, ...]}")
-    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError("a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids)")
-    if "prompt" in prompt:
-        if not isinstance(prompt["prompt"], str):
-            raise TypeError(f"TextPrompt['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
-        return prompt["prompt"], prompt["prompt"]
-    ids = prompt["prompt_token_ids"]
+    if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+        raise ValueError("a prompt dict needs 'prompt' (text, a TextPrompt) or 'prompt_token_ids' (token ids, a "
+                         "TokensPrompt)")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+    if "prompt_token_ids" not in prompt:
+        return text, text
+    ids = prompt["prompt_token_ids"]  # (with a 'prompt' too, as vLLM's TokensPrompt: that is its text, for outputs)
     if isinstance(ids, str):
         raise TypeError("TokensPrompt['prompt_token_ids'] must be a list of int token ids, got a str")
-    return None, ids
+    return text, ids
+
+
+def call_prompts(prompts, prompt_token_ids=None, lora_request=None, priority=None):
+    """A generate() call's prompts from vLLM's arguments: `prompt_token_ids` (older vLLM's keyword, which
+    lm-evaluation-harness still passes) in place of `prompts`; `lora_request` and `priority` taken at None."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: LoRA adapters are not implemented yet; pass None")
+    if priority is not None:
+        raise ValueError("priority is not supported: requests are scheduled first come, first served; pass None")
+    if prompt_token_ids is None:
+        if prompts is None:
+            raise TypeError("generate() needs prompts: a str, a list of token ids, a prompt dict or a list of them")
+        return prompts
+    if prompts is not None:
+        raise ValueError("pass either prompts or prompt_token_ids, not both")
+    if prompt_token_ids and all(isinstance(t, int) for t in prompt_token_ids):
+        return [{"prompt_token_ids": prompt_token_ids}]  # (one prompt, as vLLM took it)
+    return [{"prompt_token_ids": ids} for ids in prompt_token_ids]

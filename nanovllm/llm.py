@@ -1,8 +1,8 @@
-from nanovllm.chat import ChatMixin
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.frontend import Frontend
 
 
-class LLM(ChatMixin, LLMEngine):
+class LLM(Frontend, LLMEngine):
     """The user-facing entry point: `LLM(model_path, **options).generate(prompts, sampling_params)`.
 
     With data_parallel_size=N > 1 it returns a DataParallelLLM instead: N replicas of this engine in spawned

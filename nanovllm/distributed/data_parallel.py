@@ -12,6 +12,7 @@ dropped), the replicas still on it are told to cancel, and their messages for it
 says it is done. So no answer of one call can reach another.
 """
 import atexit
+import itertools
 import logging
 import os
 import signal
@@ -24,13 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import connection, get_context
 
-from nanovllm.chat import ChatMixin
 from nanovllm.config import Config
 from nanovllm.distributed.process import leave_now
 from nanovllm.distributed.tensor_parallel import SPAWN_HINT
 from nanovllm.engine.call_guard import CallGuard
 from nanovllm.engine.llm_engine import StreamDeltas, check_awake, default_sampling_params
 from nanovllm.engine.requests import RequestChecker, as_request_lists
+from nanovllm.frontend import Frontend
+from nanovllm.inputs import call_prompts, prompt_parts
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -206,7 +208,7 @@ def _stop_replicas(conns: list, processes: list):
 
 
 # ---- this process's side -----------------------------------------------------------------------------
-class DataParallelLLM(ChatMixin):
+class DataParallelLLM(Frontend):
     """N replicas behind one LLM's API: generate, stream and chat split the requests over them and merge the results
     in order; update_weights, sleep, wake_up, collective_rpc and reset_prefix_cache run on every replica."""
 
@@ -233,6 +235,7 @@ class DataParallelLLM(ChatMixin):
         self.num_replicas, self.failure = n, None
         self._exclusive = CallGuard()
         self._calls = 0  # the last call id
+        self._request_ids = itertools.count()  # RequestOutput.request_id, across the replicas
         self._open: dict[int, int] = {}  # replica -> the call it is still on (until its final message is read)
         self._grammars = None  # structured outputs: a compiler, to refuse a bad spec here
         self._asleep: set[str] = set()  # as one engine keeps them (LLMEngine), for every replica at once
@@ -376,9 +379,12 @@ class DataParallelLLM(ChatMixin):
         return self._start(kind, payloads), shares
 
     # ---- the LLM interface --------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, stream: bool = False):
-        """As LLM.generate: one dict per prompt, in input order (or, with stream=True, an iterator of deltas)."""
+    def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, stream: bool = False, *, lora_request=None, prompt_token_ids=None,
+                 priority=None):
+        """As LLM.generate: one RequestOutput per prompt, in input order (or, with stream=True, an iterator of
+        deltas)."""
+        prompts = call_prompts(prompts, prompt_token_ids, lora_request, priority)
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
         self._check_alive()
@@ -397,6 +403,8 @@ class DataParallelLLM(ChatMixin):
             finally:
                 self._end_calls()  # (nothing left to end unless this call failed or was interrupted)
             self.last_stats = sorted(stats, key=lambda s: s["replica"])
+            for out, prompt in zip(results, as_request_lists(prompts, None)[0]):  # (replicas saw token ids only)
+                out.prompt, out.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
             return results
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -4,16 +4,18 @@ class IncrementalDetokenizer:
     Decodes only a short window (prefix_offset..end) per call. A delta is released only when it does
     not end in U+FFFD, so a multi-byte character split over several tokens comes out whole."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.options = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # (only where set: tokenizers that lack it may refuse the keyword)
+            self.options["spaces_between_special_tokens"] = False
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # window start: tokens before it are already text
         self.read_offset = 0  # tokens before it are in self.text
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        return self.tokenizer.decode(ids, **self.options) if ids else ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (may be empty)."""

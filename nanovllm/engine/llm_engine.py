@@ -19,7 +19,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.inputs import prompt_parts
+from nanovllm.inputs import call_prompts, prompt_parts
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.sampling_params import SamplingParams
@@ -319,11 +319,25 @@ class LLMEngine:
         seq = Sequence(token_ids, block_size, sampling_params)
         seq.forks = [Sequence(token_ids, block_size, sampling_params, i) for i in range(1, sampling_params.n)]
         seq.prompt, seq.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
+        if sampling_params.bad_words:
+            words = self._bad_words_ids(sampling_params.bad_words)
+            for sample in (seq, *seq.forks):
+                sample.bad_words_ids = words
         if sampling_params.structured_outputs is not None:  # compiled now: a bad spec raises before anything runs
             compiler = self._grammar_compiler()
             for sample in (seq, *seq.forks):
                 sample.grammar = compiler.matcher(sampling_params.structured_outputs)
         return seq
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, as vLLM forms them: the word alone and after a space."""
+        ids = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if tokens and tokens not in ids:
+                    ids.append(tokens)
+        return ids
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -379,8 +393,8 @@ class LLMEngine:
             return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
         launched = self.executor.launch(batch, pending)  # N+1's forward pass is queued
         settled = None
-        if pending is not None and any(seq.grammar is not None for seq in batch.rows):
-            settled = self._settle()  # N+1's grammar bitmask needs N's tokens in the matchers: settle N first
+        if pending is not None and any(seq.grammar is not None or seq.bad_words_ids for seq in batch.rows):
+            settled = self._settle()  # N+1's grammar bitmask or bad words need N's tokens: settle N first
         self._pending = self.executor.sample(launched)
         for seq in batch.seqs:
             if not seq.is_finished:  # (settling N may have just ended it: nothing more to hold a place for)
@@ -457,7 +471,7 @@ class LLMEngine:
 
     def _logprobs(self, entries: list[dict | None], k: int, detokenize: bool) -> list[dict[int, Logprob] | None]:
         """Logprob dicts of vLLM's shape from the sampler's {token: logprob} dicts: the k most likely, in order (rank
-        1 to k), then the chosen token where it is not among them (its rank is not computed: None)."""
+        1 to k), then the chosen token where it is not among them (a Logprob already, with its rank)."""
         texts = self._token_texts
         out = []
         for entry in entries:
@@ -468,7 +482,7 @@ class LLMEngine:
                 for t in entry:
                     if t not in texts:
                         texts[t] = self.tokenizer.decode([t])
-            out.append({t: Logprob(value, rank if rank <= k else None, texts.get(t) if detokenize else None)
+            out.append({t: Logprob(value, getattr(value, "rank", None) or rank, texts.get(t) if detokenize else None)
                         for rank, (t, value) in enumerate(entry.items(), 1)})
         return out
 
@@ -504,7 +518,8 @@ class LLMEngine:
             sp = samples[0].sampling_params
             if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
                 for seq in samples:
-                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
+                                                           sp.spaces_between_special_tokens)
         return requests
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[list[Sequence]]:
@@ -543,12 +558,17 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, stream: bool = False) -> list[dict] | Iterator[dict]:
-        """Generate for every prompt. Returns one dict per prompt, in order: text, token_ids, finish_reason
-        ("stop" or "length") and logprobs (when asked) of the first sample; "outputs", a list of every sample's
-        text, token_ids, finish_reason (and logprobs); prompt_token_ids, num_cached_tokens (and prompt_logprobs).
-        With stream=True, returns an iterator of per-step deltas instead (see `stream`)."""
+    def generate(self, prompts: Prompt | list[Prompt] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 stream: bool = False, *, lora_request=None, prompt_token_ids=None,
+                 priority=None) -> list[RequestOutput] | Iterator[dict]:
+        """Generate for every prompt (a str, token ids, a TextPrompt / TokensPrompt dict, or a list of them).
+        Returns one RequestOutput per prompt, in order (vLLM's: request_id, prompt, prompt_token_ids,
+        prompt_logprobs, outputs with every sample's CompletionOutput, num_cached_tokens). It also reads as
+        nano-vllm's dict: out["text"], out["token_ids"] of the first sample. With stream=True, returns an iterator
+        of per-step deltas instead (see `stream`). prompt_token_ids: older vLLM's keyword for token-id prompts;
+        lora_request and priority: None only."""
+        prompts = call_prompts(prompts, prompt_token_ids, lora_request, priority)
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
         with self._exclusive("generate"):

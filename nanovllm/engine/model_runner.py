@@ -16,6 +16,7 @@ from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.context import reset_context, set_context, to_device_packed
 from nanovllm.models import build_model
+from nanovllm.outputs import Logprob
 from nanovllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("nanovllm")
@@ -391,19 +392,21 @@ class ModelRunner:
                 ks.append(seq.sampling_params.prompt_logprobs)
             k = max(ks)
             targets = self._to_device(targets, torch.int64)
-        chosen, top_values, top_ids = [], [], []
+        chosen, ranks, top_values, top_ids = [], [], [], []
         for a in range(0, hidden.size(0), self.PROMPT_LOGPROBS_CHUNK):
             logits = self.model.compute_logits(hidden[a : a + self.PROMPT_LOGPROBS_CHUNK], all_rows=True)
             if self.rank != 0:
                 continue
-            values, ids, scored = self.sampler.logprobs(logits, k, targets[a : a + logits.size(0)])
+            values, ids, scored, rank = self.sampler.logprobs(logits, k, targets[a : a + logits.size(0)])
             chosen.append(scored)
+            ranks.append(rank)
             if k:
                 top_values.append(values)
                 top_ids.append(ids)
         if self.rank != 0:
             return None
         chosen = torch.cat(chosen).tolist() if chosen else []
+        ranks = torch.cat(ranks).tolist() if ranks else []
         top_values = torch.cat(top_values).tolist() if top_values else []
         top_ids = torch.cat(top_ids).tolist() if top_ids else []
         targets, out, row = targets.tolist(), [], 0
@@ -411,7 +414,8 @@ class ModelRunner:
             scored = []
             for r in range(row, row + count):
                 d = dict(zip(top_ids[r][:seq_k], top_values[r][:seq_k])) if seq_k else {}
-                d[targets[r]] = chosen[r]
+                if targets[r] not in d:  # (outside the top k: with its rank)
+                    d[targets[r]] = Logprob(chosen[r], ranks[r])
                 scored.append(d)
             out.append(scored)
             row += count
@@ -442,17 +446,17 @@ class ModelRunner:
     def _logprob_dicts(seqs: list[Sequence], tokens: list[int], logprobs) -> list[dict[int, float] | None]:
         # (called for every step of a batch with logprobs: at batch 256 its Python takes about as long as the step's
         # sampling on the GPU; hence the zips and no per-row slicing at full width)
-        top_values, top_ids, chosen = logprobs
+        top_values, top_ids, chosen, ranks = logprobs
         width = top_values.size(1) if top_values is not None else 0
         rows = zip(top_ids.tolist(), top_values.tolist()) if width else [((), ())] * len(seqs)
         out = []
-        for seq, (ids, values), token, logprob in zip(seqs, rows, tokens, chosen.tolist()):
+        for seq, (ids, values), token, logprob, rank in zip(seqs, rows, tokens, chosen.tolist(), ranks.tolist()):
             k = seq.sampling_params.logprobs
             if k is None:
                 out.append(None)
                 continue
             d = dict(zip(ids, values) if k == width else zip(ids[:k], values[:k]))
-            if token not in d:
-                d[token] = logprob
+            if token not in d:  # (outside the top k: with its rank)
+                d[token] = Logprob(logprob, rank)
             out.append(d)
         return out

@@ -43,6 +43,7 @@ class Sequence:
         self.ignore_eos = sampling_params.ignore_eos
         self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0, CPU)
         self.grammar = None  # structured outputs: this sample's SequenceGrammar (its matcher; rank 0)
+        self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (rank 0)
         self.logprobs: list[dict[int, float]] = []
         self.new_token = -1  # the token the last settled step added (streaming reports it)
         self.detokenizer = None  # IncrementalDetokenizer when text is needed while generating

@@ -1,6 +1,6 @@
 """Logits processors: per-step changes to the logits before sampling, each prepared once per step for the rows
-that need it and skipped entirely when none does. The grammar bitmask (structured outputs), penalties and min_tokens
-are processors.
+that need it and skipped entirely when none does. The grammar bitmask (structured outputs), allowed_token_ids,
+bad_words, min_tokens, logit_bias and the penalties are processors.
 
 A processor's `prepare` reads the step's sequences (duck-typed: `seq_id`, `sampling_params`, `token_ids`,
 `num_prompt_tokens`, `num_completion_tokens`, `is_finished`, `grammar`) and returns this step's state, or None."""
@@ -49,6 +49,69 @@ class MinTokensProcessor(LogitsProcessor):
 
     def apply(self, logits, state):
         return logits.index_put(state, torch.tensor(float("-inf"), device=logits.device))
+
+
+class AllowedTokensProcessor(LogitsProcessor):
+    """allowed_token_ids: every other token of the row gets -inf."""
+
+    def prepare(self, seqs, sampled, to_device):
+        rows, ids = [], []
+        for i, seq in enumerate(seqs):
+            allowed = seq.sampling_params.allowed_token_ids
+            if allowed:
+                rows += [i] * len(allowed)
+                ids += allowed
+        if not rows:
+            return None
+        return to_device(sorted(set(rows)), torch.int64), to_device(rows, torch.int64), to_device(ids, torch.int64)
+
+    def apply(self, logits, state):
+        masked, rows, ids = state
+        out = logits.index_fill(0, masked, float("-inf"))
+        return out.index_put((rows, ids), logits[rows, ids])
+
+
+class BadWordsProcessor(LogitsProcessor):
+    """bad_words, each as token sequences (Sequence.bad_words_ids): the last token of a sequence is banned where the
+    tokens before it end the row's history (a one-token word: always). Read when the step samples, from the settled
+    tokens: under async scheduling the engine settles the step before first (as for a grammar)."""
+
+    def prepare(self, seqs, sampled, to_device):
+        rows = [(i, seq) for i, seq in enumerate(seqs) if getattr(seq, "bad_words_ids", None)]
+        return (rows, to_device) if rows else None
+
+    def apply(self, logits, state):
+        rows, to_device = state
+        banned_rows, banned_ids = [], []
+        for i, seq in rows:
+            history = seq.token_ids
+            for word in seq.bad_words_ids:
+                if len(word) == 1 or history[len(history) - len(word) + 1:] == word[:-1]:
+                    banned_rows.append(i)
+                    banned_ids.append(word[-1])
+        if not banned_rows:
+            return logits
+        index = (to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+class LogitBiasProcessor(LogitsProcessor):
+    """logit_bias: {token id: bias} added to the row's logits."""
+
+    def prepare(self, seqs, sampled, to_device):
+        rows, ids, values = [], [], []
+        for i, seq in enumerate(seqs):
+            for token, bias in (seq.sampling_params.logit_bias or {}).items():
+                rows.append(i)
+                ids.append(token)
+                values.append(bias)
+        if not rows:
+            return None
+        return to_device(rows, torch.int64), to_device(ids, torch.int64), to_device(values, torch.float32)
+
+    def apply(self, logits, state):
+        rows, ids, values = state
+        return logits.index_put((rows, ids), values, accumulate=True)
 
 
 class PenaltiesProcessor(LogitsProcessor):

@@ -10,7 +10,10 @@ from torch import nn
 
 from nanovllm.layers.context import ToDevice, to_device_packed
 from nanovllm.sampling.logits_processors import (
+    AllowedTokensProcessor,
+    BadWordsProcessor,
     GrammarProcessor,
+    LogitBiasProcessor,
     LogitsProcessor,
     MinTokensProcessor,
     PenaltiesProcessor,
@@ -70,8 +73,9 @@ class Sampler(nn.Module):
         self.penalties = PenaltiesProcessor(vocab_size, self.device, fused=self.keyed)
         self.min_tokens = MinTokensProcessor(eos_token_ids)
         self.grammar = GrammarProcessor(grammar_threads(self.device.type))
-        # applied in this order, constraints (the grammar) before the logprobs are taken and the others after
-        self.processors: list[LogitsProcessor] = [self.grammar, self.penalties, self.min_tokens]
+        # applied in this order (vLLM's), constraints (the grammar) before the logprobs are taken and the others after
+        self.processors: list[LogitsProcessor] = [self.grammar, AllowedTokensProcessor(), BadWordsProcessor(),
+                                                  self.min_tokens, LogitBiasProcessor(), self.penalties]
         self._seeds, self._seeds_used, self._seeds_from = None, 0, None  # _step_seed's block
 
     def prepare(self, seqs: list, sampled: list[bool], to_device: ToDevice,
@@ -118,9 +122,9 @@ class Sampler(nn.Module):
         return st
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
-        """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k],
-        top ids [batch, k], sampled token's logprob [batch]) from the raw distribution (with the grammar's
-        constraint applied, as in vLLM: tokens it forbids have logprob -inf)."""
+        """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k], top ids [batch, k],
+        sampled token's logprob [batch], its rank [batch]) from the raw distribution (with the grammar's constraint
+        applied, as in vLLM: tokens it forbids have logprob -inf)."""
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
         fused_logprobs = self._fused_logprobs(st.num_logprobs, logits.size(1))
         if (st.num_logprobs >= 0 and not fused_logprobs) or st.processors or filtered:
@@ -175,9 +179,10 @@ class Sampler(nn.Module):
         return self.race_draws and 0 <= k <= min(MAX_LOGPROBS_FUSED, vocab)
 
     def logprobs(self, raw: torch.Tensor, k: int, targets: torch.Tensor):
-        """(top k logprobs [rows, k] or None for k = 0, their ids, the targets' logprobs [rows]) of raw logits
-        [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax); the sampler's tokens and the
-        prompt tokens that prompt_logprobs scores."""
+        """(top k logprobs [rows, k] or None for k = 0, their ids, the targets' logprobs [rows], the targets' ranks
+        [rows]) of raw logits [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax); the sampler's
+        tokens and the prompt tokens that prompt_logprobs scores. A rank, as vLLM's: how many tokens are at least as
+        likely (1: the most likely)."""
         if self._fused_logprobs(k, raw.size(1)):
             from nanovllm.kernels.logprobs import logprob_stats
             lse, top_values, top_ids = logprob_stats(raw, k)
@@ -186,8 +191,10 @@ class Sampler(nn.Module):
             lse = torch.logsumexp(raw, -1)
             top = raw.topk(k, -1) if k > 0 else None
             top_values, top_ids = (top.values, top.indices) if top else (None, None)
-        chosen = raw.gather(1, targets.unsqueeze(1)).squeeze(1).float() - lse
-        return top_values - lse.unsqueeze(1) if top_values is not None else None, top_ids, chosen
+        target_logits = raw.gather(1, targets.unsqueeze(1))
+        ranks = (raw >= target_logits).sum(-1)
+        chosen = target_logits.squeeze(1).float() - lse
+        return top_values - lse.unsqueeze(1) if top_values is not None else None, top_ids, chosen, ranks
 
 
 def _noise(like: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.Tensor | None = None, draws=None):

@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams
 from nanovllm.distributed.data_parallel import DataParallelLLM, ReplicaError, route
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import CHAT_TEMPLATE, make_checkpoint
@@ -83,6 +83,26 @@ def test_streaming_and_chat_equal_one_engine(dp, single):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert [o["token_ids"] for o in dp.chat(conversations, greedy, use_tqdm=False)] == \
         [o["token_ids"] for o in single.chat(conversations, greedy, use_tqdm=False)]
+
+
+def test_vllm_shapes_through_replicas(dp, single):
+    """RequestOutputs with their prompt text and call-wide request ids, Logprob ranks, the accessors, beam search."""
+    tokenizer = dp.get_tokenizer()
+    words = ["Hello world", "How are you", "Paris", "one two three"]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    outs, expected = dp.generate(words, params, use_tqdm=False), single.generate(words, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == words and [o.prompt_token_ids for o in outs] == [tokenizer.encode(w)
+                                                                                         for w in words]
+    assert len({o.request_id for o in outs + dp.generate(words, params, use_tqdm=False)}) == 2 * len(words)
+    for out, ref in zip(outs, expected):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert [{t: lp.rank for t, lp in step.items()} for step in out.outputs[0].logprobs] == \
+            [{t: lp.rank for t, lp in step.items()} for step in ref.outputs[0].logprobs]
+    assert dp.llm_engine.model_config.max_model_len == single.llm_engine.model_config.max_model_len
+    assert dp.get_default_sampling_params() == single.get_default_sampling_params()
+    beam = BeamSearchParams(beam_width=2, max_tokens=4)
+    assert [[s.tokens for s in o.sequences] for o in dp.beam_search(words[:2], beam)] == \
+        [[s.tokens for s in o.sequences] for o in single.beam_search(words[:2], beam)]
 
 
 def test_bad_requests_and_an_abandoned_stream_leave_the_replicas_working(dp, single):

@@ -62,9 +62,12 @@ def check_sampler_logprobs(device="cpu", vocab: int = 3000):
             with unittest.mock.patch.object(logprobs_kernel, "logprob_stats", side_effect=logprob_stats) as kernel:
                 out.append(sampler(logits, st, None))
             assert kernel.call_count == (compiled and params.logprobs <= MAX_K), (compiled, params)  # its path
-        (tokens, (values, ids, chosen)), (ref_tokens, (ref_values, ref_ids, ref_chosen)) = out
+        (tokens, (values, ids, chosen, ranks)), (ref_tokens, (ref_values, ref_ids, ref_chosen, ref_ranks)) = out
         assert torch.equal(tokens, ref_tokens)
         torch.testing.assert_close(chosen, ref_chosen, atol=1e-5, rtol=1e-6)
+        # a rank counts the tokens at least as likely (vLLM's): greedy rows tie only with equal logits
+        expected = (logits.float() >= logits.float().gather(1, tokens[:, None])).sum(-1)
+        assert torch.equal(ranks, expected) and torch.equal(ref_ranks, expected)
         if params.logprobs:  # ids of the same logits (16-bit logits tie often: either id of a tie)
             assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids)), (ids, ref_ids)
             torch.testing.assert_close(values, ref_values, atol=1e-5, rtol=1e-6)

@@ -401,12 +401,13 @@ def test_logprobs_come_from_the_raw_logits_not_the_penalized_ones():
                             num_completion_tokens=4 if i < 2 else 0, is_finished=False, sample_index=0,
                             generator=None) for i, sp in enumerate(params)]
     st = sampler.prepare(seqs, [True] * 3, lambda data, dtype: torch.tensor(data, dtype=dtype))
-    tokens, (values, ids, chosen) = sampler(logits.clone(), st, torch.Generator().manual_seed(0))
+    tokens, (values, ids, chosen, ranks) = sampler(logits.clone(), st, torch.Generator().manual_seed(0))
     reference = torch.log_softmax(logits, -1)
     assert tokens[0] != logits[0].argmax() and tokens[2] != logits[2].argmax()  # the processors did act
     torch.testing.assert_close(values, reference.topk(4).values)
     assert torch.equal(ids, reference.topk(4).indices)
     torch.testing.assert_close(chosen, reference.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    assert torch.equal(ranks, (reference >= reference.gather(1, tokens.unsqueeze(1))).sum(-1))  # of the raw logits
 
 
 def test_topk_path_picks_what_the_sort_path_picks_on_the_same_draws():

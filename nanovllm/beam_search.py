@@ -1,0 +1,78 @@
+"""Beam search in vLLM's shapes (BeamSearchParams in, BeamSearchOutput out), built on generate(): each step asks
+for one token and the top 2 * beam_width logprobs of every live beam, and keeps the beam_width best extensions. The
+prefix cache serves each beam's earlier tokens, so a step computes little more than the new ones."""
+from dataclasses import dataclass, field
+
+from nanovllm.outputs import Logprob
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: tokens and text cover the prompt and the continuation; logprobs, one dict per new token."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: object = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The beam search of every prompt, on `llm` (an LLM or its data-parallel front)."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    eos = set(llm.config.eos_token_ids)
+    max_len = llm.config.max_model_len
+    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                                 detokenize=False, ignore_eos=True)
+    live = [[BeamSearchSequence(llm.requests.tokenize(p))] for p in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        beams = [(i, beam) for i, group in enumerate(live) for beam in group]
+        if not beams:
+            break
+        outs = llm.generate([beam.tokens for _, beam in beams], step_params, use_tqdm=False)
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for (i, beam), out in zip(beams, outs):
+            for token, logprob in out.outputs[0].logprobs[0].items():
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [out.outputs[0].logprobs[0]],
+                                         beam.cum_logprob + float(logprob))
+                if token in eos and not params.ignore_eos:
+                    new.finish_reason = "stop"
+                    done[i].append(new)
+                else:
+                    candidates[i].append(new)
+        for i, group in enumerate(candidates):
+            group.sort(key=lambda b: b.cum_logprob, reverse=True)
+            live[i] = []
+            for beam in group[:params.beam_width]:  # a beam at max_model_len can grow no more: finished there
+                (done[i] if len(beam.tokens) >= max_len else live[i]).append(beam)
+    results = []
+    for i in range(len(prompts)):
+        for beam in live[i]:
+            beam.finish_reason = "length"
+        ranked = sorted(done[i] + live[i], key=lambda b: _score(b, eos, params.length_penalty), reverse=True)
+        best = ranked[:params.beam_width]
+        for beam in best:
+            tokens = beam.tokens if params.include_stop_str_in_output or beam.finish_reason != "stop" \
+                else beam.tokens[:-1]
+            beam.text = llm.tokenizer.decode(tokens) if llm.tokenizer is not None else None
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def _score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
+    length = len(beam.tokens) - (beam.tokens[-1] in eos)
+    return beam.cum_logprob / length ** length_penalty

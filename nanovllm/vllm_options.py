@@ -1,0 +1,81 @@
+"""vLLM's LLM(...) options, so that a vLLM script's constructor runs unchanged: each is taken at vLLM's default, mapped
+to nanovllm's option where nanovllm has the feature, and refused by name, saying what is not supported, otherwise."""
+
+# option -> vLLM's default; any other value raises, with the reason
+DEFAULT_ONLY = {
+    "tokenizer_mode": ("auto", "only the checkpoint's own (Hugging Face) tokenizer is used"),
+    "revision": (None, "nothing is downloaded: pass a local checkpoint directory"),
+    "tokenizer_revision": (None, "nothing is downloaded: pass a local checkpoint directory"),
+    "code_revision": (None, "nothing is downloaded"),
+    "hf_token": (None, "nothing is downloaded"),
+    "download_dir": (None, "nothing is downloaded"),
+    "hf_overrides": (None, "config.json is read as it is"),
+    "quantization": (None, "quantized weights are not supported yet"),
+    "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
+    "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
+    "max_seq_len_to_capture": (8192, "decode CUDA graphs cover every length up to max_model_len"),
+    "mm_processor_kwargs": (None, "nanovllm serves text-only models"),
+    "limit_mm_per_prompt": (None, "nanovllm serves text-only models"),
+    "task": ("auto", "nanovllm generates text only (no pooling or embedding tasks)"),
+    "runner": ("auto", "nanovllm generates text only"),
+    "override_pooler_config": (None, "no pooling models"),
+    "compilation_config": (None, "nanovllm does not use torch.compile; enforce_eager turns CUDA graphs off"),
+    "pipeline_parallel_size": (1, "no pipeline parallelism: use tensor_parallel_size or data_parallel_size"),
+    "distributed_executor_backend": (None, "ranks run in spawned processes (mp); for Ray use nanovllm.ray"),
+    "enable_lora": (False, "LoRA adapters are not supported yet"),
+    "max_loras": (1, "LoRA adapters are not supported yet"),
+    "max_lora_rank": (16, "LoRA adapters are not supported yet"),
+    "max_cpu_loras": (None, "LoRA adapters are not supported yet"),
+    "enable_chunked_prefill": (None, "long prompts are always prefilled in chunks of max_num_batched_tokens"),
+    "calculate_kv_scales": (False, "an fp8 KV cache scales each token and head as it is written"),
+    "speculative_config": (None, "no speculative decoding"),
+    "allowed_local_media_path": ("", "nanovllm serves text-only models"),
+    "kv_transfer_config": (None, "no disaggregated prefill"),
+    "logits_processors": (None, "use SamplingParams' logit_bias, allowed_token_ids or bad_words"),
+    "skip_tokenizer_init": (False, "the tokenizer is loaded to find the stop tokens; to skip detokenizing, pass "
+                                   "SamplingParams(detokenize=False)"),
+    "kv_cache_memory_bytes": (None, "size the cache with gpu_memory_utilization or num_gpu_blocks_override"),
+    "pooler_config": (None, "no pooling models"),
+    "allowed_media_domains": (None, "nanovllm serves text-only models"),
+    "generation_config": ("auto", "the checkpoint's generation_config.json is always read for the defaults"),
+    "override_generation_config": (None, "pass SamplingParams instead"),
+    "scheduling_policy": ("fcfs", "requests are scheduled first come, first served"),
+    "enable_expert_parallel": (False, "MoE experts are split by tensor parallelism only"),
+    "enable_prompt_embeds": (False, "prompts are text or token ids"),
+    "model_impl": ("auto", "nanovllm runs its own model code"),
+    "config_format": ("auto", "config.json (or the .gguf header) is read"),
+}
+# accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
+NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",
+             "max_logprobs", "guided_decoding_backend", "structured_outputs_config", "served_model_name",
+             "use_tqdm_on_load", "max_parallel_loading_workers", "disable_cascade_attn")
+# vLLM's name -> nanovllm's
+ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+# nanovllm options vLLM scripts pass as None for "the default"
+NONE_MEANS_DEFAULT = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "seed", "block_size",
+                      "kvcache_block_size", "num_gpu_blocks_override", "num_kvcache_blocks")
+
+
+def translate(model: str, kwargs: dict) -> dict:
+    """nanovllm's options from a mix of nanovllm's and vLLM's; ValueError naming an unsupported non-default one."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in DEFAULT_ONLY:
+            default, reason = DEFAULT_ONLY[name]
+            if value != default:
+                raise ValueError(f"{name}={value!r} is not supported: {reason} (vLLM's default {default!r} is "
+                                 "accepted)")
+        elif name in NO_EFFECT:
+            continue
+        elif name == "tokenizer":
+            if value is not None and value != model:
+                raise ValueError(f"tokenizer={value!r} is not supported: the tokenizer is read from the model's "
+                                 "checkpoint; copy its files there")
+        elif name == "disable_async_output_proc":
+            if value:
+                out["async_scheduling"] = False
+        elif value is None and name in NONE_MEANS_DEFAULT:
+            continue
+        else:
+            out[ALIASES.get(name, name)] = value
+    return out

@@ -1,0 +1,176 @@
+"""vLLM's offline examples, each written as a vLLM user writes it with `from nanovllm import ...` as the only change,
+on the bundled SmolLM2-135M-Instruct (conftest's `llm`): basic, chat, n > 1, seeds, logprobs, prompt_logprobs,
+structured outputs, token-id prompts, the model's default sampling parameters, beam search."""
+import json
+import math
+import re
+
+import pytest
+
+from nanovllm import SamplingParams, TokensPrompt
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import BeamSearchParams, StructuredOutputsParams
+
+PROMPTS = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
+
+
+def test_basic(llm):
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+    outputs = llm.generate(PROMPTS, sampling_params)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert isinstance(output, RequestOutput) and output.finished
+        assert output.prompt == prompt
+        assert output.prompt_token_ids == llm.get_tokenizer().encode(prompt)
+        completion = output.outputs[0]
+        assert isinstance(completion, CompletionOutput) and isinstance(completion.text, str)
+        assert completion.finish_reason in ("stop", "length")
+        assert len(completion.token_ids) == 16 or completion.finish_reason == "stop"  # vLLM's max_tokens default
+    assert len({o.request_id for o in outputs}) == len(PROMPTS)
+
+
+def test_chat(llm):
+    sampling_params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, top_k=50)
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hello! How can I assist you today?"},
+        {"role": "user", "content": "Write an essay about the importance of higher education."},
+    ]
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
+    template = llm.get_tokenizer().apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert len(outputs) == 1 and outputs[0].prompt == template and outputs[0].outputs[0].text
+    outputs = llm.chat([conversation for _ in range(3)], sampling_params, use_tqdm=True)
+    assert len(outputs) == 3 and all(o.prompt == template for o in outputs)
+    # A chat template can be supplied
+    chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False, chat_template=chat_template)
+    assert outputs[0].prompt.startswith("system: You are a helpful assistant\n")
+    assert outputs[0].prompt.endswith("assistant:")
+
+
+def test_continue_final_message(llm):
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("The capital of France is")  # the assistant's turn left open
+    assert "Paris" in out.outputs[0].text
+
+
+def test_n_samples(llm):
+    outputs = llm.generate(PROMPTS[:2], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
+    for output in outputs:
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+def test_seeds_reproduce(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12)
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    again = llm.generate(PROMPTS, params, use_tqdm=False)
+    other = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].text for o in first] == [o.outputs[0].text for o in again]
+    assert [o.outputs[0].token_ids for o in first] != [o.outputs[0].token_ids for o in other]
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    tokenizer = llm.get_tokenizer()
+    for token, step in zip(out.token_ids, out.logprobs):
+        assert token in step and 3 <= len(step) <= 4  # the top 3, and the sampled token
+        chosen = step[token]
+        assert isinstance(chosen, Logprob) and chosen.rank == 1  # greedy: the most likely token
+        assert chosen.decoded_token == tokenizer.decode([token])
+        assert sorted(lp.rank for lp in step.values())[:3] == [1, 2, 3]
+        assert max(step.values(), key=lambda lp: lp.logprob) is chosen
+    assert out.cumulative_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(out.token_ids,
+                                                                                         out.logprobs)))
+
+
+def test_prompt_logprobs(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for token, step in zip(ids[1:], out.prompt_logprobs[1:]):
+        assert token in step and 2 <= len(step) <= 3
+        assert all(lp.logprob <= 0 and math.isfinite(lp.logprob) for lp in step.values())
+        assert step[token].rank >= 1
+
+
+def test_structured_outputs(llm):
+    choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"]))
+    out = llm.generate("Classify this sentiment: vLLM is wonderful!", choice)[0].outputs[0]
+    assert out.text in ("Positive", "Negative")
+
+    email = StructuredOutputsParams(regex=r"[a-z]{2,8}@[a-z]{2,8}\.com\n")
+    regex = SamplingParams(structured_outputs=email, stop=["\n"], max_tokens=30, temperature=0)
+    out = llm.generate("Generate an email address for Alan Turing, who works in Enigma. End in .com and new line. "
+                       "Example result: alan.turing@enigma.com\n", regex)[0].outputs[0]
+    assert re.fullmatch(r"[a-z]{2,8}@[a-z]{2,8}\.com", out.text), out.text
+
+    schema = {"type": "object", "properties": {"brand": {"type": "string", "maxLength": 12},
+                                               "model": {"type": "string", "maxLength": 12}},
+              "required": ["brand", "model"]}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), temperature=0, max_tokens=60)
+    out = llm.generate("Generate a JSON with the brand and model of the most iconic car from the 90's",
+                       params)[0].outputs[0]
+    assert set(json.loads(out.text)) == {"brand", "model"}
+
+    grammar = 'root ::= "SELECT " column " FROM " table\ncolumn ::= "name" | "age"\ntable ::= "users" | "people"'
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar=grammar), temperature=0)
+    out = llm.generate("Generate an SQL query to show the names from the users table.", params)[0].outputs[0]
+    assert out.text.split()[0] == "SELECT" and out.text.split()[2] == "FROM"
+
+
+def test_token_id_prompts(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    by_text = llm.generate(PROMPTS, greedy)
+    by_ids = llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], greedy)
+    by_keyword = llm.generate(prompt_token_ids=ids, sampling_params=greedy, use_tqdm=False, lora_request=None)
+    by_dict = llm.generate([{"prompt": p} for p in PROMPTS], greedy)
+    texts = [o.outputs[0].text for o in by_text]
+    for outs in (by_ids, by_keyword, by_dict):
+        assert [o.outputs[0].text for o in outs] == texts
+    assert [o.prompt for o in by_ids] == [None] * len(PROMPTS) and [o.prompt for o in by_dict] == PROMPTS
+    assert [o.prompt_token_ids for o in by_ids] == ids
+
+
+def test_model_default_sampling(llm):
+    sampling_params = llm.get_default_sampling_params()
+    sampling_params.max_tokens = 8  # a copy: the engine's defaults are unchanged
+    assert llm.get_default_sampling_params().max_tokens == 16
+    outputs = llm.generate(PROMPTS, sampling_params)
+    assert all(len(o.outputs[0].token_ids) <= 8 for o in outputs)
+
+
+def test_outputs_read_as_nano_vllm_dicts(llm):
+    """nano-vllm's example.py and bench.py index the outputs as dicts."""
+    out = llm.generate(["introduce yourself"], SamplingParams(temperature=0.6, max_tokens=8))[0]
+    assert out["text"] == out.outputs[0].text and out["token_ids"] == out.outputs[0].token_ids
+    assert out["outputs"][0]["text"] == out.outputs[0].text and "logprobs" not in out
+
+
+def test_beam_search(llm):
+    prompts = [{"prompt": "The capital of France is"}, {"prompt": "Hello, my name is"}]
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6))
+    tokenizer = llm.get_tokenizer()
+    for prompt, output in zip(prompts, outputs):
+        assert len(output.sequences) == 3
+        scores = [s.cum_logprob / (len(s.tokens) - (s.finish_reason == "stop")) for s in output.sequences]
+        assert scores == sorted(scores, reverse=True)
+        for seq in output.sequences:
+            assert seq.text.startswith(prompt["prompt"])
+            assert seq.cum_logprob == pytest.approx(sum(step[t].logprob for t, step in
+                                                        zip(seq.tokens[-len(seq.logprobs):], seq.logprobs)))
+    # width 1 is greedy decoding
+    best = llm.beam_search([prompts[0]], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))[0]
+    greedy = llm.generate(prompts[0]["prompt"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert best.sequences[0].tokens == tokenizer.encode(prompts[0]["prompt"]) + greedy.outputs[0].token_ids

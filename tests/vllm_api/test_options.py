@@ -1,0 +1,157 @@
+"""vLLM's LLM(...) options, engine accessors, and the arguments of generate, chat and beam_search: each accepted at
+vLLM's default, taken where implemented, refused with an error naming it otherwise; the engine serves after each
+refusal."""
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.sampling_params import BeamSearchParams
+from nanovllm.vllm_options import DEFAULT_ONLY, NO_EFFECT
+from tests.tiny_models import CHAT_TEMPLATE, hf_greedy, make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("vllm_options"), "qwen3", tie=True, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tiny(model):
+    with LLM(model, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        yield llm
+
+
+def _serves(llm, model):
+    prompt = [3, 1, 4, 1, 5]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_lm_eval_style_constructor(model):
+    """What lm-evaluation-harness' vLLM backend passes, every vLLM option at its default and vLLM's names for
+    nanovllm's options: accepted, and taken where they mean something."""
+    defaults = {name: default for name, (default, _) in DEFAULT_ONLY.items()}
+    with LLM(model=model, tokenizer=model, trust_remote_code=False, max_model_len=None,
+             max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None, seed=None, dtype="float",
+             block_size=16, num_gpu_blocks_override=130, load_format="safetensors", disable_async_output_proc=True,
+             disable_log_stats=True, enable_sleep_mode=True, max_logprobs=20, served_model_name="tiny",
+             **defaults) as llm:
+        cfg = llm.config
+        assert cfg.max_model_len == 2048  # None: the model's own limit (its max_position_embeddings)
+        assert (cfg.kvcache_block_size, cfg.num_kvcache_blocks, cfg.seed) == (16, 130, 0)
+        assert cfg.torch_dtype == torch.float32 and cfg.async_scheduling is False
+        assert llm.llm_engine.model_config.max_model_len == 2048
+        _serves(llm, model)
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_ONLY))
+def test_a_non_default_vllm_option_is_refused_by_name(model, name):
+    default = DEFAULT_ONLY[name][0]
+    other = {None: "something", False: True, True: False}.get(default) if not isinstance(default, (int, str)) \
+        or isinstance(default, bool) else (default + 1 if isinstance(default, int) else default + "-other")
+    with pytest.raises(ValueError, match=f"^{name}=.* is not supported: "):
+        LLM(model, **{name: other})
+
+
+@pytest.mark.parametrize("name", NO_EFFECT)
+def test_options_without_effect_are_accepted(model, name):
+    cfg = Config.from_kwargs(model, **{name: True})
+    assert cfg.max_model_len == 2048 and not hasattr(cfg, name)
+
+
+def test_option_refusals(model):
+    with pytest.raises(ValueError, match="tokenizer='other' is not supported"):
+        LLM(model, tokenizer="other")
+    with pytest.raises(TypeError, match="unknown option.*no_such_option.*vllm_compat"):
+        LLM(model, no_such_option=1)
+    with pytest.raises(TypeError, match="max_model_len must be int or None"):
+        LLM(model, max_model_len="long")
+    with pytest.raises(ValueError, match="load_format must be"):
+        LLM(model, load_format="pt")
+    with pytest.raises(ValueError, match="dtype must be"):
+        LLM(model, dtype="double")
+    assert Config.from_kwargs(model, dtype="half").torch_dtype == torch.float16
+    assert Config.from_kwargs(model, max_model_len=100000).max_model_len == 2048  # capped at the model's limit
+    assert Config.from_kwargs(model).max_model_len == 2048  # 4096 by default, within this model's 2048
+
+
+def test_accessors(tiny, model):
+    assert tiny.llm_engine is tiny and tiny.get_tokenizer() is tiny.tokenizer
+    config = tiny.llm_engine.model_config
+    assert (config.model, config.max_model_len, config.dtype) == (model, 256, torch.float32)
+    assert config.get_vocab_size() == tiny.config.hf_config.vocab_size and tiny.get_model_config() == config
+    params = tiny.get_default_sampling_params()
+    params.temperature = 0.123
+    assert tiny.get_default_sampling_params().temperature == 1.0  # a copy each time
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(lora_request=object()), ValueError, "lora_request"),
+    (dict(priority=[1]), ValueError, "priority"),
+    (dict(prompt_token_ids=[[1, 2]]), ValueError, "either prompts or prompt_token_ids"),
+])
+def test_generate_argument_refusals(tiny, model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tiny.generate([[1, 2, 3]], GREEDY, **kwargs)
+    _serves(tiny, model)
+
+
+def test_generate_arguments(tiny, model):
+    with pytest.raises(TypeError, match="needs prompts"):
+        tiny.generate()
+    one = tiny.generate(prompt_token_ids=[3, 1, 4], sampling_params=GREEDY, lora_request=None, priority=None)
+    assert len(one) == 1 and one[0].prompt_token_ids == [3, 1, 4]
+    assert tiny.generate({"prompt_token_ids": [3, 1, 4], "prompt": "pi"}, GREEDY)[0].prompt == "pi"
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ({"prompt": "a", "multi_modal_data": {}}, ValueError, "multi_modal_data"),
+    ({"prompt": "a", "colour": 1}, TypeError, "unknown prompt key"),
+    ({}, ValueError, "needs 'prompt'"),
+    ({"prompt": 3}, TypeError, "must be a str"),
+    ({"prompt_token_ids": "abc"}, TypeError, "list of int"),
+])
+def test_bad_prompt_dicts(tiny, model, prompt, error, match):
+    with pytest.raises(error, match=match):
+        tiny.generate([prompt], GREEDY)
+    _serves(tiny, model)
+
+
+def test_chat_arguments(tiny, model):
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}]}]
+    out = tiny.chat(conversation, GREEDY, use_tqdm=False, lora_request=None, chat_template_content_format="openai")[0]
+    assert out.prompt == "<|im_start|>user\nHello you<|im_end|>\n<|im_start|>assistant\n"
+    template = "{% for t in tools %}[{{ t['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
+    out = tiny.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template,
+                    tools=[{"name": "search"}], use_tqdm=False)[0]
+    assert out.prompt == "[search]hi"
+    for kwargs, error, match in [
+        (dict(add_generation_prompt=True, continue_final_message=True), ValueError, "cannot both be True"),
+        (dict(mm_processor_kwargs={"a": 1}), ValueError, "mm_processor_kwargs"),
+        (dict(chat_template_content_format="xml"), ValueError, "chat_template_content_format"),
+        (dict(lora_request=object()), ValueError, "lora_request"),
+        (dict(chat_template_kwargs=[1]), TypeError, "chat_template_kwargs"),
+    ]:
+        with pytest.raises(error, match=match):
+            tiny.chat(conversation, GREEDY, use_tqdm=False, **kwargs)
+    with pytest.raises(ValueError, match="content part"):
+        tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], GREEDY)
+    _serves(tiny, model)
+
+
+def test_beam_search_arguments(tiny, model):
+    for kwargs, match in [(dict(beam_width=0, max_tokens=3), "beam_width"), (dict(beam_width=2, max_tokens=0),
+                                                                            "max_tokens"),
+                          (dict(beam_width=2, max_tokens=2, temperature=-1), "temperature")]:
+        with pytest.raises(ValueError, match=match):
+            BeamSearchParams(**kwargs)
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        tiny.beam_search([[1, 2]], GREEDY)
+    with pytest.raises(ValueError, match="lora_request"):
+        tiny.beam_search([[1, 2]], BeamSearchParams(2, 2), lora_request=object())
+    out = tiny.beam_search([{"prompt_token_ids": [3, 1, 4]}], BeamSearchParams(beam_width=1, max_tokens=6,
+                                                                                ignore_eos=True))[0]
+    assert out.sequences[0].tokens == [3, 1, 4] + hf_greedy(model, [3, 1, 4], 6)  # width 1: greedy
+    _serves(tiny, model)
