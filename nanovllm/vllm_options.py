@@ -13,7 +13,6 @@ DEFAULT_ONLY = {
     "quantization": (None, "quantized weights are not supported yet"),
     "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
     "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
-    "max_seq_len_to_capture": (8192, "decode CUDA graphs cover every length up to max_model_len"),
     "mm_processor_kwargs": (None, "nanovllm serves text-only models"),
     "limit_mm_per_prompt": (None, "nanovllm serves text-only models"),
     "task": ("auto", "nanovllm generates text only (no pooling or embedding tasks)"),
@@ -26,7 +25,6 @@ DEFAULT_ONLY = {
     "max_loras": (1, "LoRA adapters are not supported yet"),
     "max_lora_rank": (16, "LoRA adapters are not supported yet"),
     "max_cpu_loras": (None, "LoRA adapters are not supported yet"),
-    "enable_chunked_prefill": (None, "long prompts are always prefilled in chunks of max_num_batched_tokens"),
     "calculate_kv_scales": (False, "an fp8 KV cache scales each token and head as it is written"),
     "speculative_config": (None, "no speculative decoding"),
     "allowed_local_media_path": ("", "nanovllm serves text-only models"),
@@ -48,7 +46,8 @@ DEFAULT_ONLY = {
 # accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
 NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",
              "max_logprobs", "guided_decoding_backend", "structured_outputs_config", "served_model_name",
-             "use_tqdm_on_load", "max_parallel_loading_workers", "disable_cascade_attn")
+             "use_tqdm_on_load", "max_parallel_loading_workers", "disable_cascade_attn",
+             "max_seq_len_to_capture")  # (decode CUDA graphs cover every length up to max_model_len)
 # vLLM's name -> nanovllm's
 ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # nanovllm options vLLM scripts pass as None for "the default"
@@ -71,6 +70,10 @@ def translate(model: str, kwargs: dict) -> dict:
             if value is not None and value != model:
                 raise ValueError(f"tokenizer={value!r} is not supported: the tokenizer is read from the model's "
                                  "checkpoint; copy its files there")
+        elif name == "enable_chunked_prefill":
+            if value is False:
+                raise ValueError("enable_chunked_prefill=False is not supported: a prompt longer than "
+                                 "max_num_batched_tokens is always prefilled in chunks of that many tokens")
         elif name == "disable_async_output_proc":
             if value:
                 out["async_scheduling"] = False

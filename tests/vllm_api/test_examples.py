@@ -100,7 +100,14 @@ def test_prompt_logprobs(llm):
     for token, step in zip(ids[1:], out.prompt_logprobs[1:]):
         assert token in step and 2 <= len(step) <= 3
         assert all(lp.logprob <= 0 and math.isfinite(lp.logprob) for lp in step.values())
-        assert step[token].rank >= 1
+        assert (step[token].rank <= 2) == (list(step).index(token) < 2)  # in the top 2, or ranked past them
+    # the prompt token's own rank, asked alone, is its place among the 20 most likely
+    alone = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    top = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20))[0]
+    for token, own, step in zip(ids[1:], alone.prompt_logprobs[1:], top.prompt_logprobs[1:]):
+        assert list(own) == [token]
+        ranked = sorted(step.values(), key=float, reverse=True)
+        assert own[token].rank == 1 + sum(float(lp) > float(own[token]) for lp in ranked[:20]) or own[token].rank > 20
 
 
 def test_structured_outputs(llm):
@@ -174,3 +181,22 @@ def test_beam_search(llm):
     best = llm.beam_search([prompts[0]], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))[0]
     greedy = llm.generate(prompts[0]["prompt"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert best.sequences[0].tokens == tokenizer.encode(prompts[0]["prompt"]) + greedy.outputs[0].token_ids
+
+
+def test_nano_vllm_script_calls(llm):
+    """The calls nano-vllm's example.py and bench.py make, read as they read them: token-id prompts with one
+    SamplingParams each and use_tqdm positional-free, a warm-up with default SamplingParams, output['text'] of
+    chat-templated text prompts."""
+    from random import randint, seed
+    seed(0)
+    prompt_token_ids = [[randint(0, 10000) for _ in range(randint(5, 40))] for _ in range(6)]
+    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(3, 12)) for _ in range(6)]
+    llm.generate(["Benchmark: "], SamplingParams())
+    outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
+    assert sum(len(o["token_ids"]) for o in outputs) == sum(sp.max_tokens for sp in sampling_params)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True)
+               for p in ("introduce yourself", "list all prime numbers within 100")]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=8))
+    assert all(isinstance(output["text"], str) and output["text"] for output in outputs)

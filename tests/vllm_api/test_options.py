@@ -68,6 +68,9 @@ def test_option_refusals(model):
         LLM(model, no_such_option=1)
     with pytest.raises(TypeError, match="max_model_len must be int or None"):
         LLM(model, max_model_len="long")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False is not supported"):
+        LLM(model, enable_chunked_prefill=False)
+    assert Config.from_kwargs(model, enable_chunked_prefill=True).max_model_len == 2048  # (always on)
     with pytest.raises(ValueError, match="load_format must be"):
         LLM(model, load_format="pt")
     with pytest.raises(ValueError, match="dtype must be"):
@@ -155,3 +158,9 @@ def test_beam_search_arguments(tiny, model):
                                                                                 ignore_eos=True))[0]
     assert out.sequences[0].tokens == [3, 1, 4] + hf_greedy(model, [3, 1, 4], 6)  # width 1: greedy
     _serves(tiny, model)
+
+
+def test_vllm_compat_page_names_every_option():
+    import os
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm_compat.md")).read()
+    assert [name for name in (*DEFAULT_ONLY, *NO_EFFECT) if f"`{name}`" not in page] == []

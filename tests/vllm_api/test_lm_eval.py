@@ -1,0 +1,96 @@
+"""lm-evaluation-harness through nanovllm's "nanovllm" model type (nanovllm/lm_eval.py) and through lm-eval's own
+transformers backend, on the bundled model and three local tasks (no downloads): a multiple choice (loglikelihood),
+a generation (generate_until) and a perplexity (loglikelihood_rolling). The scores are equal."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # (lm-eval's transformers backend)
+
+CAPITALS = [("France", "Paris", ["Paris", "London", "Berlin", "Madrid"]),
+            ("Germany", "Berlin", ["Rome", "Berlin", "Paris", "Vienna"]),
+            ("Italy", "Rome", ["Madrid", "Lisbon", "Rome", "Athens"]),
+            ("Japan", "Tokyo", ["Beijing", "Seoul", "Tokyo", "Bangkok"]),
+            ("Spain", "Madrid", ["Madrid", "Porto", "Paris", "Rome"]),
+            ("Egypt", "Cairo", ["Nairobi", "Cairo", "Lagos", "Tunis"])]
+SUMS = [(2, 3), (10, 5), (7, 1), (4, 4)]
+TEXTS = ["The quick brown fox jumps over the lazy dog.",
+         "Paris is the capital and largest city of France. It is known for the Eiffel Tower.",
+         "Water boils at one hundred degrees Celsius at sea level."]
+
+
+def _task(folder, name: str, rows: list[dict], spec: str) -> None:
+    data = os.path.join(folder, f"{name}.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+        f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                f"test_split: test\n{spec}")
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_eval_tasks")
+    _task(folder, "nano_capitals", [{"country": c, "choices": ch, "answer": ch.index(a)} for c, a, ch in CAPITALS],
+          'output_type: multiple_choice\ndoc_to_text: "Question: What is the capital of {{country}}?\\nAnswer:"\n'
+          'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+          "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    _task(folder, "nano_sums", [{"a": a, "b": b, "answer": str(a + b)} for a, b in SUMS],
+          'output_type: generate_until\ndoc_to_text: "Q: What is {{a}} plus {{b}}?\\nA:"\ndoc_to_target: "{{answer}}"\n'
+          'generation_kwargs:\n  until: ["\\n"]\n  do_sample: false\n  max_gen_toks: 12\n'
+          "metric_list:\n  - metric: exact_match\n"
+          'filter_list:\n  - name: last_number\n    filter:\n      - function: regex\n'
+          '        regex_pattern: "(-?[0-9]+)(?!.*[0-9])"\n      - function: take_first\n')
+    _task(folder, "nano_text", [{"text": t} for t in TEXTS],
+          'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+          "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    return str(folder)
+
+
+def _evaluate(model: str, model_args: str, tasks: str) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import nanovllm.lm_eval  # noqa: F401  (registers "nanovllm")
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["nano_capitals", "nano_sums",
+                                                                               "nano_text"],
+                                  task_manager=TaskManager(include_path=tasks), log_samples=True)
+    return out
+
+
+def test_scores_equal_the_transformers_backend(bundled, tasks):
+    folder, name = os.path.split(bundled)
+    ours = _evaluate("nanovllm", f"pretrained={folder},gguf_file={name},max_model_len=2048", tasks)
+    reference = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu", tasks)
+    for task, metrics in reference["results"].items():
+        for metric, value in metrics.items():
+            if not isinstance(value, float) or "stderr" in metric:
+                continue
+            if "perplexity" in metric or "bits_per_byte" in metric:
+                assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+            else:
+                assert ours["results"][task][metric] == value, (task, metric)
+    assert reference["results"]["nano_capitals"]["acc,none"] > 0.5  # a real model answering, not chance
+    assert reference["results"]["nano_sums"]["exact_match,last_number"] > 0
+    for task in ("nano_capitals", "nano_text"):  # each scored sample, within float32 rounding
+        for a, b in zip(ours["samples"][task], reference["samples"][task], strict=True):
+            for (x, *_), (y, *_) in zip(a["resps"], b["resps"]):
+                lp_a, lp_b = (x[0], y[0]) if isinstance(x, (list, tuple)) else (x, y)
+                assert lp_a == pytest.approx(lp_b, abs=1e-4), task
+    responses = [s["filtered_resps"] for s in ours["samples"]["nano_sums"]]
+    assert responses == [s["filtered_resps"] for s in reference["samples"]["nano_sums"]]
+
+
+def test_command_line(bundled, tasks):
+    """`python -m nanovllm.lm_eval run ...`: lm-eval's own command line, with the model type registered."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "nanovllm.lm_eval", "run", "--model", "nanovllm", "--model_args",
+                           f"pretrained={bundled},max_model_len=1024", "--tasks", "nano_capitals", "--include_path",
+                           tasks, "--limit", "2"], capture_output=True, text=True, cwd=root, timeout=600,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nano_capitals" in done.stdout and "acc" in done.stdout
