@@ -164,3 +164,38 @@ def test_vllm_compat_page_names_every_option():
     import os
     page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm_compat.md")).read()
     assert [name for name in (*DEFAULT_ONLY, *NO_EFFECT) if f"`{name}`" not in page] == []
+
+
+def test_vocabulary_constraints_on_the_engine_path(tiny):
+    """bad_words, allowed_token_ids and logit_bias through the engine as it runs here (on CUDA: decode graphs and
+    async scheduling, where bad words make the engine settle each step before sampling the next)."""
+    prompt = [7, 7, 7, 7]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = tiny.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = tiny.get_tokenizer()
+    # a two-token word of the greedy answer whose text encodes back to those two tokens
+    starts = [i for i in range(len(plain) - 1) if tokenizer.encode(tokenizer.decode(plain[i:i + 2]).lstrip(),
+                                                                   add_special_tokens=False) == plain[i:i + 2]]
+    assert starts, plain
+    i = starts[0]
+    word = tokenizer.decode(plain[i:i + 2])
+    banned = tiny._bad_words_ids([word])
+    assert plain[i:i + 2] in banned
+    out = tiny.generate([prompt, prompt[:2]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                             bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:i + 1] == plain[:i + 1] and out.token_ids[i + 1] != plain[i + 1]  # its first token stays
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=[word]),
+                   SamplingParams(temperature=1.0, seed=0, max_tokens=10, ignore_eos=True, bad_words=[word])):
+        ids = tiny.generate([prompt, prompt[:2]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert not any(ids[j:j + len(b)] == b for b in banned for j in range(len(ids)))
+    # the word's last token alone is not banned: with its first token never sampled, it is free
+    only_last = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, bad_words=[word],
+                               allowed_token_ids=[plain[i + 1]])
+    assert tiny.generate([prompt], only_last, use_tqdm=False)[0].outputs[0].token_ids == [plain[i + 1]] * 4
+    allowed = sorted(set(plain))[:2]
+    out = tiny.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
+                                                 allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+    out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                 logit_bias={7: 1e4}), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [7] * 10
