@@ -96,6 +96,13 @@ def _spaces(sp: SamplingParams) -> dict:
     return {} if sp.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
 
 
+def _stopped_by_token(seq: Sequence) -> bool:
+    """Ended by EOS or a stop token id, whose text the output leaves out unless include_stop_str_in_output (as
+    vLLM); the token stays in token_ids."""
+    return (seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            and not seq.sampling_params.include_stop_str_in_output)
+
+
 def check_awake(asleep: set[str], weights_discarded: str | None):
     """RuntimeError unless requests may run: nothing asleep (sleep()), and the weights a whole set."""
     if asleep:
@@ -441,9 +448,12 @@ class LLMEngine:
     def _update_text(self, seq: Sequence):
         """Incremental text for streaming and stop strings; finishes the sequence on a stop string."""
         detok = seq.detokenizer
-        delta = detok.add(seq.new_token)
-        if seq.is_finished:
-            delta += detok.flush()
+        if _stopped_by_token(seq):  # (vLLM's: the stop token's text stays out, as a stop string's does)
+            delta = detok.flush()
+        else:
+            delta = detok.add(seq.new_token)
+            if seq.is_finished:
+                delta += detok.flush()
         stops = seq.sampling_params.stop_strings
         # the detokenizer holds exactly the settled completion tokens (async scheduling may have appended more)
         if not stops or not delta or len(detok.token_ids) < seq.sampling_params.min_tokens:
@@ -466,8 +476,9 @@ class LLMEngine:
         sp = seq.sampling_params
         if self.tokenizer is None or not sp.detokenize:
             return ""
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens,
-                                     **_spaces(sp))
+        ids = seq.completion_token_ids
+        return self.tokenizer.decode(ids[:-1] if _stopped_by_token(seq) else ids,
+                                     skip_special_tokens=sp.skip_special_tokens, **_spaces(sp))
 
     def _logprobs(self, entries: list[dict | None], k: int, detokenize: bool) -> list[dict[int, Logprob] | None]:
         """Logprob dicts of vLLM's shape from the sampler's {token: logprob} dicts: the k most likely, in order (rank

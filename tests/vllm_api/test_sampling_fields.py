@@ -38,7 +38,19 @@ def test_stop_string_and_stop_reason(llm):
 def test_stop_token_and_eos_stop_reasons(llm):
     ids = _greedy(llm, max_tokens=12, ignore_eos=True).token_ids
     out = _greedy(llm, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]])
-    assert out.finish_reason == "stop" and out.stop_reason == ids[3] and out.token_ids == ids[:ids.index(ids[3]) + 1]
+    end = ids.index(ids[3]) + 1
+    assert out.finish_reason == "stop" and out.stop_reason == ids[3] and out.token_ids == ids[:end]
+    # as vLLM: the stop token's text is left out of the text (kept with include_stop_str_in_output), on both text
+    # paths: decoded at the end, and decoded as it grows (with stop strings, and streaming)
+    decode = llm.get_tokenizer().decode
+    for extra in ({}, {"stop": ["never said"]}):
+        assert _greedy(llm, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]], **extra).text == \
+            decode(ids[:end - 1])
+        assert _greedy(llm, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]], include_stop_str_in_output=True,
+                       **extra).text == decode(ids[:end])
+    streamed = "".join(d["text"] for d in llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                                            ignore_eos=True, stop_token_ids=[ids[3]])))
+    assert streamed == decode(ids[:end - 1])
     eos = llm.get_tokenizer().eos_token_id
     ended = _greedy(llm, max_tokens=4, logit_bias={eos: 100.0})  # EOS at once
     assert ended.finish_reason == "stop" and ended.stop_reason is None and ended.token_ids == [eos]
