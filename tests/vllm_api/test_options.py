@@ -75,6 +75,8 @@ def test_option_refusals(model):
         LLM(model, load_format="pt")
     with pytest.raises(ValueError, match="dtype must be"):
         LLM(model, dtype="double")
+    assert Config.from_kwargs(model, tokenizer=None, tokenizer_mode="auto", quantization=None, enable_lora=False,
+                              revision=None, max_num_seqs=None).max_num_seqs == 512  # (the list)
     assert Config.from_kwargs(model, dtype="half").torch_dtype == torch.float16
     assert Config.from_kwargs(model, max_model_len=100000).max_model_len == 2048  # capped at the model's limit
     assert Config.from_kwargs(model).max_model_len == 2048  # 4096 by default, within this model's 2048
