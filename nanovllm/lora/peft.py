@@ -1,0 +1,127 @@
+"""PEFT LoRA adapters from a directory (adapter_config.json + adapter_model.safetensors), checked against the base
+model's shapes before any weight is read. Each target module's update is B @ A scaled by lora_alpha / r (or
+lora_alpha / sqrt(r) with use_rslora), r being that module's own rank (so rank_pattern needs nothing more)."""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.lora.request import LoRARequest
+
+# checkpoint module -> (our packed linear, part): q/k/v are parts of qkv_proj, gate/up of gate_up_proj
+MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class Adapter:
+    """A checked adapter: its request, and per (layer, module) the rank and scaling of its update."""
+
+    request: LoRARequest
+    modules: dict[tuple[int, str], tuple[int, float]]
+
+    @property
+    def rank(self) -> int:
+        return max(rank for rank, _ in self.modules.values())
+
+    def tensors(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """(A [r, in], B [out, r] with the scaling folded in), float32 on the host, per (layer, module)."""
+        from safetensors import safe_open
+        out = {}
+        with safe_open(os.path.join(self.request.lora_path, WEIGHTS), "pt") as f:
+            for (layer, module), (_, scaling) in self.modules.items():
+                prefix = f"base_model.model.model.layers.{layer}.{_group(module)}.{module}"
+                a = f.get_tensor(f"{prefix}.lora_A.weight").float()
+                b = f.get_tensor(f"{prefix}.lora_B.weight").float() * scaling
+                out[layer, module] = a, b
+        return out
+
+
+def _group(module: str) -> str:
+    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+
+
+def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
+    """The adapter of `request`, checked: ValueError saying what is wrong (missing files, a target nanovllm cannot
+    apply, a rank above max_lora_rank, shapes of another base model)."""
+    path = request.lora_path
+    where = f"LoRA adapter {request.lora_name!r} ({path})"
+    for name in (CONFIG, WEIGHTS):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ValueError(f"{where}: no {name}; a PEFT LoRA adapter directory holds {CONFIG} and {WEIGHTS} "
+                             "(PeftModel.save_pretrained writes them)")
+    with open(os.path.join(path, CONFIG)) as f:
+        config = json.load(f)
+    _check_config(config, where)
+    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, WEIGHTS), "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    found: dict[tuple[int, str], dict[str, tuple]] = {}
+    for key, shape in shapes.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise ValueError(f"{where}: weight {key!r} is not a LoRA A/B matrix of a decoder layer's attention or MLP "
+                             "projection; embedding, lm_head and modules_to_save targets and DoRA are not supported")
+        layer, group, module, part = int(match[1]), match[2], match[3], match[4]
+        if module not in MODULES or _group(module) != group:
+            raise ValueError(f"{where}: target {group}.{module} of layer {layer} is not supported; LoRA applies to "
+                             "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj")
+        found.setdefault((layer, module), {})[part] = shape
+    if not found:
+        raise ValueError(f"{where}: {WEIGHTS} holds no LoRA weights")
+    expected = _shapes(hf_config)
+    modules = {}
+    for (layer, module), parts in sorted(found.items()):
+        name = f"layer {layer} {module}"
+        if set(parts) != {"A", "B"}:
+            raise ValueError(f"{where}: {name} has lora_{next(iter(parts))} without its pair")
+        if layer >= hf_config.num_hidden_layers:
+            raise ValueError(f"{where}: {name}, but the base model has {hf_config.num_hidden_layers} layers: an "
+                             "adapter made for another base model")
+        if _group(module) == "mlp" and _is_moe_layer(hf_config, layer):
+            raise ValueError(f"{where}: {name}: that layer's MLP is mixture-of-experts; LoRA on experts is not "
+                             "supported (attention targets are)")
+        (r, in_a), (out_b, r_b) = parts["A"], parts["B"]
+        want_out, want_in = expected[module]
+        if r != r_b or (in_a, out_b) != (want_in, want_out):
+            raise ValueError(f"{where}: {name} has A {parts['A']} and B {parts['B']}; this base model needs "
+                             f"A [r, {want_in}] and B [{want_out}, r]: an adapter made for another base model")
+        if r > max_rank:
+            raise ValueError(f"{where}: {name} has rank {r}, above max_lora_rank={max_rank}; raise max_lora_rank")
+        modules[layer, module] = r, alpha / (math.sqrt(r) if rslora else r)
+    return Adapter(request, modules)
+
+
+def _check_config(config: dict, where: str):
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r}; only LoRA adapters are supported")
+    refused = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained modules)",
+               "alpha_pattern": "alpha_pattern (per-module lora_alpha)", "fan_in_fan_out": "fan_in_fan_out weights",
+               "layer_replication": "layer_replication"}
+    for key, what in refused.items():
+        if config.get(key):
+            raise ValueError(f"{where}: {what} is not supported ({key}={config[key]!r} in {CONFIG})")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={config['bias']!r}: trained biases are not supported (bias='none')")
+
+
+def _shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """Each target's full (out, in) in the base model."""
+    from nanovllm.models.decoder import head_dim_of
+    hidden, head_dim = hf_config.hidden_size, head_dim_of(hf_config)
+    q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
+    inter = hf_config.intermediate_size
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _is_moe_layer(hf_config, layer: int) -> bool:
+    from nanovllm.models.decoder import moe_layer
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    return bool(experts) and moe_layer(hf_config, layer)
