@@ -5,9 +5,13 @@
     python bench.py --engine hf           # also run HF transformers' continuous batching; print both and the ratio
     python bench.py --kv-cache-dtype fp8  # an 8-bit KV cache
     python bench.py --dp 2                # two engine replicas (data parallel), each on its own GPU
+    python bench.py --lora 4              # 4 random rank-16 LoRA adapters, the requests spread over them
+    python bench.py --enable-lora         # LoRA enabled, no request uses an adapter
 """
 import argparse
+import json
 import os
+import tempfile
 import time
 from random import randint, seed
 
@@ -26,6 +30,40 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
                for _ in range(args.num_seqs)]
     max_tokens = [randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
     return prompts, max_tokens
+
+
+def random_adapters(model: str, n: int, rank: int, directory: str) -> list:
+    """`n` PEFT-format LoRA adapters of rank `rank` on every attention and MLP projection of `model` (a directory
+    with config.json), random weights of a modest scale, written under `directory`: LoRARequests 1..n."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nanovllm import LoRARequest
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    generator = torch.Generator().manual_seed(0)
+    requests = []
+    for i in range(1, n + 1):
+        path = os.path.join(directory, f"adapter{i}")
+        os.makedirs(path)
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for module, (out, inp) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) / inp ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.01
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none",
+                       "target_modules": [m.split(".")[1] for m in shapes]}, f)
+        requests.append(LoRARequest(f"adapter{i}", i, path))
+    return requests
 
 
 def startup_phases(llm) -> str:
@@ -52,14 +90,22 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["async_scheduling"] = args.async_scheduling
     if args.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    loras = None
+    if args.lora or args.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=max(args.lora, 1), max_lora_rank=args.lora_rank)
+    if args.lora:  # request i uses adapter i % N
+        adapters = random_adapters(args.model, args.lora, args.lora_rank, tempfile.mkdtemp(prefix="bench-lora-"))
+        loras = [adapters[i % args.lora] for i in range(len(prompts))]
+        print(f"{args.lora} LoRA adapters of rank {args.lora_rank}, requests spread over them")
     t = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     print(f"engine start: {time.perf_counter() - t:.1f}s ({startup_phases(llm)}), {llm.num_kvcache_blocks} KV blocks")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False,  # warm-up
+                 lora_request=loras[:1] if loras else None)
     probe = StepProfiler(llm) if args.profile else None
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm, lora_request=loras)
     elapsed = time.perf_counter() - t
     if probe:
         probe.report()
@@ -80,7 +126,7 @@ class StepProfiler:
     def __init__(self, llm):
         import torch
         self.torch, self.steps = torch, {True: [], False: []}
-        runner, engine_step = llm.executor.runner, llm.step
+        runner, engine_step = llm.executor.runner, llm._step  # (what generate() calls each step)
         run_model, sampler = runner.run_model, runner.sampler
         self.events = []
 
@@ -102,7 +148,7 @@ class StepProfiler:
             self.steps[is_prefill].append((time.perf_counter() - t, list(self.events)))
             return result
 
-        runner.run_model, sampler.forward, llm.step = timed(run_model), timed(sampler.forward), timed_step
+        runner.run_model, sampler.forward, llm._step = timed(run_model), timed(sampler.forward), timed_step
 
     def report(self):
         self.torch.cuda.synchronize()
@@ -176,6 +222,10 @@ def main():
                    help="launch decode step N+1 before reading step N's tokens (default: on for one CUDA rank)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2")
+    p.add_argument("--lora", type=int, default=0, help="N random LoRA adapters (max_loras=N), request i uses "
+                   "adapter i %% N (needs a model directory with config.json)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the --lora adapters' rank (max_lora_rank)")
+    p.add_argument("--enable-lora", action="store_true", help="enable_lora=True with no adapter requests")
     p.add_argument("--dummy", action="store_true", help="random weights (implied when --model is not given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tqdm", action="store_true")

@@ -3,6 +3,7 @@ import logging
 
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
+from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling.structured_outputs import StructuredOutputsParams
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
@@ -10,5 +11,5 @@ from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 logging.getLogger("nanovllm").addHandler(logging.NullHandler())
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "TextPrompt", "TokensPrompt",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"

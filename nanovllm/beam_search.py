@@ -27,8 +27,9 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The beam search of every prompt, on `llm` (an LLM or its data-parallel front)."""
+def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+    """The beam search of every prompt, on `llm` (an LLM or its data-parallel front), under one adapter (None: the
+    base model; or one per prompt)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)):
@@ -37,18 +38,23 @@ def beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearch
     max_len = llm.config.max_model_len
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
                                  detokenize=False, ignore_eos=True)
-    live = [[BeamSearchSequence(llm.requests.tokenize(p))] for p in prompts]
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+    if len(loras) != len(prompts):
+        raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one LoRARequest (or None) "
+                         "or exactly one per prompt")
+    live = [[BeamSearchSequence(llm.requests.tokenize(p), lora_request=lora)] for p, lora in zip(prompts, loras)]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
         beams = [(i, beam) for i, group in enumerate(live) for beam in group]
         if not beams:
             break
-        outs = llm.generate([beam.tokens for _, beam in beams], step_params, use_tqdm=False)
+        outs = llm.generate([beam.tokens for _, beam in beams], step_params, use_tqdm=False,
+                            lora_request=[beam.lora_request for _, beam in beams])
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), out in zip(beams, outs):
             for token, logprob in out.outputs[0].logprobs[0].items():
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [out.outputs[0].logprobs[0]],
-                                         beam.cum_logprob + float(logprob))
+                                         beam.cum_logprob + float(logprob), lora_request=beam.lora_request)
                 if token in eos and not params.ignore_eos:
                     new.finish_reason = "stop"
                     done[i].append(new)

@@ -40,6 +40,12 @@ class Config:
     async_scheduling: bool | None = None
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": 8-bit K/V with a scale per token and head
     kv_cache_dtype: str = "auto"
+    # LoRA (docs/lora.md): adapters in max_loras device slots of up to max_lora_rank, the last max_cpu_loras read
+    # kept on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
@@ -109,6 +115,7 @@ class Config:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
                              f"{self.kv_cache_dtype!r}")
+        self._check_lora()
         if self.load_format not in ("auto", "safetensors", "dummy"):  # ("safetensors" is what "auto" reads)
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
 
@@ -136,6 +143,20 @@ class Config:
             self.torch_dtype = dt if dt in _DTYPES.values() else torch.bfloat16
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
+    def _check_lora(self):
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): the host "
+                             "keeps at least the adapters on the device")
+        if self.enable_lora and self.data_parallel_size > 1:
+            raise ValueError("enable_lora with data_parallel_size > 1 is not supported yet: run one engine per "
+                             "process, or tensor_parallel_size")
+
     def _check_types(self):
         for f in fields(self):
             if not f.init or f.name == "model":
@@ -150,7 +171,7 @@ class Config:
                   str: isinstance(value, str)}[expected]
             if not ok:
                 what = {bool | None: "True, False or None (automatic)",
-                        int | None: "int or None (the model's limit)"}.get(f.type, expected.__name__)
+                        int | None: "int or None"}.get(f.type, expected.__name__)
                 raise TypeError(f"{f.name} must be {what}, got {value!r}")
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path, got {type(self.model).__name__}")

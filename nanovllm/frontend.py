@@ -108,9 +108,7 @@ class Frontend:
         """vLLM's LLM.beam_search: the `params.beam_width` most likely continuations of each prompt (a str, token
         ids, or a TextPrompt / TokensPrompt dict), built a token at a time on generate() (the prefix cache keeps
         each step to the new tokens)."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: LoRA adapters are not implemented yet; pass None")
-        return beam_search(self, prompts, params)
+        return beam_search(self, prompts, params, lora_request)
 
 
 def _conversations(messages) -> list[Conversation]:

@@ -42,11 +42,9 @@ def prompt_parts(prompt) -> tuple[str | None, object]:
     return text, ids
 
 
-def call_prompts(prompts, prompt_token_ids=None, lora_request=None, priority=None):
+def call_prompts(prompts, prompt_token_ids=None, priority=None):
     """A generate() call's prompts from vLLM's arguments: `prompt_token_ids` (older vLLM's keyword, which
-    lm-evaluation-harness still passes) in place of `prompts`; `lora_request` and `priority` taken at None."""
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: LoRA adapters are not implemented yet; pass None")
+    lm-evaluation-harness still passes) in place of `prompts`; `priority` taken at None."""
     if priority is not None:
         raise ValueError("priority is not supported: requests are scheduled first come, first served; pass None")
     if prompt_token_ids is None:

@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
     # tests are skipped. (tests/kernels/test_hopper_compile.py compiles in a subprocess without it.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from nanovllm.lora.request import LoRARequest  # noqa: E402
+from tests.lora.adapters import make_adapter  # noqa: E402
 from tests.tiny_models import make_checkpoint  # noqa: E402
 
 
@@ -28,6 +30,32 @@ def qwen3_b(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_untied_mha(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("qwen3_mha"), "qwen3", tie=False, num_kv_heads=4)
+
+
+# LoRA (tests/lora): adapters of qwen3_tied with different ranks and target sets (rank 16 with rsLoRA: its scaling
+# differs)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MIXED = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="session")
+def lora_attention(qwen3_tied, tmp_path_factory) -> LoRARequest:
+    path = make_adapter(qwen3_tied, tmp_path_factory.mktemp("lora_attention"), 8, ATTENTION, alpha=16, seed=1)
+    return LoRARequest("attention", 1, path)
+
+
+@pytest.fixture(scope="session")
+def lora_mixed(qwen3_tied, tmp_path_factory) -> LoRARequest:
+    path = make_adapter(qwen3_tied, tmp_path_factory.mktemp("lora_mixed"), 16, MIXED, alpha=8, use_rslora=True,
+                        seed=2)
+    return LoRARequest("mixed", 2, path)
+
+
+@pytest.fixture(scope="session")
+def lora_third(qwen3_tied, tmp_path_factory) -> LoRARequest:
+    """A third adapter (rank 4, the MLP's down projection and k): for slot turnover."""
+    path = make_adapter(qwen3_tied, tmp_path_factory.mktemp("lora_third"), 4, ["k_proj", "down_proj"], seed=3)
+    return LoRARequest("third", 3, path)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,23 @@ def test_bench_runs_on_cpu(qwen3_tied):
     assert f"nanovllm: {expected} output tokens" in out.stdout
 
 
+def test_bench_and_latency_run_with_lora_on_cpu(qwen3_tied):
+    """--lora writes random PEFT adapters the engine accepts, and spreads the requests over them."""
+    args = ["--model", qwen3_tied, "--num-seqs", "5", "--min-input", "5", "--max-input", "40", "--min-output", "3",
+            "--max-output", "12", "--max-token-id", "399", "--max-model-len", "256", "--no-tqdm", "--lora", "2",
+            "--lora-rank", "8"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 LoRA adapters of rank 8" in out.stdout and "nanovllm: " in out.stdout
+    args = ["--model", qwen3_tied, "--batches", "2", "--new-tokens", "3", "--prompt-len", "8", "--prefill-seqs", "0",
+            "--clocks-up", "0", "--lora-rank", "4", "--max-token-id", "399"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latency.py"), *args],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode batch   2:" in out.stdout
+
+
 def test_rl_eval_benchmark_runs_on_cpu(qwen3_tied):
     args = ["--model", qwen3_tied, "--num-prompts", "3", "--n", "4", "--min-input", "5", "--max-input", "40",
             "--min-output", "3", "--max-output", "12", "--num-scored", "6", "--score-len", "30", "--max-token-id",

@@ -55,6 +55,26 @@ def test_cuda_chunked_prefill_prefix_cache_and_preemption(qwen3_untied_mha):
     llm.exit()
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_cuda_lora_matches_peft(qwen3_tied, lora_attention, lora_mixed, eager):
+    """The LoRA kernels in the engine: base-model and adapter requests in prefill (chunked) and decode, under the
+    decode graphs' LoRA variant, give transformers + PEFT's tokens; a base-only call after them, the plain graphs'."""
+    from tests.lora.adapters import peft_greedy
+    llm = LLM(qwen3_tied, device="cuda", dtype="float32", enable_lora=True, max_loras=2, kvcache_block_size=16,
+              enforce_eager=eager, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=37)
+    prompts = _prompts(3, [5, 40, 17, 150, 3, 90, 33])
+    loras = [None, lora_attention, lora_mixed, lora_mixed, lora_attention, None, lora_attention]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    for prompt, lora, out in zip(prompts, loras, outs):
+        want = hf_greedy(qwen3_tied, prompt, 24) if lora is None else peft_greedy(qwen3_tied, lora.lora_path, prompt,
+                                                                                  24)
+        assert out["token_ids"] == want, (lora, len(prompt))
+    outs = llm.generate(prompts[:2], sp, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [hf_greedy(qwen3_tied, p, 24) for p in prompts[:2]]
+    llm.exit()
+
+
 def test_graph_replay_equals_eager(qwen3_tied):
     prompts = _prompts(2, [5, 40, 100, 7, 64, 250, 31])
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
@@ -103,12 +123,17 @@ from triton import knobs
 events = []
 knobs.compilation.listener = lambda **kw: events.append(
     (kw["src"].fn.__name__ if hasattr(kw["src"], "fn") else "?", threading.current_thread().name, kw["cache_hit"]))
-from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=40, max_model_len=512, num_kvcache_blocks=64)
+from nanovllm import LLM, LoRARequest, SamplingParams
+adapters = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(sys.argv[2:])]  # LoRA: the base model
+lora = dict(enable_lora=True, max_loras=len(adapters)) if adapters else {}  # and each adapter in every call
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=40, max_model_len=512, num_kvcache_blocks=64,
+          **lora)
 start = list(events)
 del events[:]
 for n, length in ((1, 5), (3, 40), (16, 9), (40, 200)):
-    llm.generate([[7] * length] * n, SamplingParams(temperature=0.6, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    requests = [([None] + adapters)[i % (1 + len(adapters))] for i in range(n)] if adapters and n > 1 else None
+    llm.generate([[7] * length] * n, SamplingParams(temperature=0.6, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                 lora_request=requests)
 # seeded rows (the keyed race; top-k: their draws by token id) and the three penalty variants
 for opts in (dict(seed=3), dict(seed=3, top_k=20), dict(seed=3, top_p=0.9), dict(repetition_penalty=1.2),
              dict(presence_penalty=0.5, frequency_penalty=0.5), dict(repetition_penalty=1.2, frequency_penalty=0.5)):
@@ -120,14 +145,17 @@ print(json.dumps({"start": start, "run": events}))
 """
 
 
-def test_start_up_compiles_ahead_and_no_step_compiles(qwen3_tied, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_start_up_compiles_ahead_and_no_step_compiles(qwen3_tied, tmp_path, lora, request):
     # A fresh Triton cache: every kernel compiles on compile_ahead's threads (engine/warmup.py), the model's and the
     # sampler's, and no step of a run compiles or loads one (every batch size's variant is there already: prefill
-    # with and without history, each decode bucket, the LM head's small-batch kernels).
+    # with and without history, each decode bucket, the LM head's small-batch kernels; with LoRA, its kernels in
+    # prefill and in the decode graphs' LoRA variant).
     import json
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    out = subprocess.run([sys.executable, "-c", COMPILE_PROBE, qwen3_tied], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=600)
+    adapters = [request.getfixturevalue(name).lora_path for name in ("lora_attention", "lora_mixed")] if lora else []
+    out = subprocess.run([sys.executable, "-c", COMPILE_PROBE, qwen3_tied, *adapters], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     events = json.loads(out.stdout.strip().splitlines()[-1])
     assert events["run"] == [], events["run"]

@@ -361,7 +361,7 @@ class DataParallelLLM(Frontend):
         if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
-        prompts, params = as_request_lists(
+        prompts, params, _ = as_request_lists(
             prompts, self.default_sampling_params if sampling_params is None else sampling_params)
         return [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
 
@@ -384,7 +384,10 @@ class DataParallelLLM(Frontend):
                  priority=None):
         """As LLM.generate: one RequestOutput per prompt, in input order (or, with stream=True, an iterator of
         deltas)."""
-        prompts = call_prompts(prompts, prompt_token_ids, lora_request, priority)
+        if any(r is not None for r in (lora_request if isinstance(lora_request, (list, tuple)) else [lora_request])):
+            raise ValueError("lora_request is not supported with data_parallel_size > 1 (LoRA needs one engine: "
+                             "data_parallel_size=1 with enable_lora=True); pass None")
+        prompts = call_prompts(prompts, prompt_token_ids, priority)
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
         self._check_alive()

@@ -25,6 +25,8 @@ class ScheduledBatch:
     # prompt_logprobs: (index into seqs, positions) for sequences whose prompt logprobs this step computes: the
     # logits at its first `positions` new tokens score the prompt tokens that follow them.
     prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: (slot, LoRARequest) adapters to put into device slots before this step runs (lora/manager.py)
+    lora_loads: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def rows(self) -> list[Sequence]:

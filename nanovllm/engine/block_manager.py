@@ -96,7 +96,7 @@ class BlockManager:
     def allocate(self, seq: Sequence):
         """Give `seq` blocks for all its tokens, reusing cached leading blocks where they match."""
         assert not seq.block_table, "sequence already has blocks"
-        prefix_hash = -1
+        prefix_hash = seq.cache_salt  # (-1, or its adapter's: blocks are never shared between adapters)
         hit = self.enable_prefix_caching and not seq.needs_prompt_logprobs  # (cached positions have no logits)
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
@@ -152,7 +152,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(seq.num_hashed_blocks, seq.num_cached_tokens // self.block_size):
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else seq.cache_salt
             token_ids = seq.block(i)
             h = compute_hash(token_ids, prefix_hash)
             block = self.blocks[seq.block_table[i]]

@@ -1,4 +1,5 @@
-"""Decode-only CUDA graphs: one graph per batch-size bucket, sharing static buffers and one memory pool."""
+"""Decode-only CUDA graphs: one graph per batch-size bucket (and with LoRA a second one that applies the adapters),
+sharing static buffers and one memory pool."""
 import bisect
 import dataclasses
 from collections.abc import Callable
@@ -91,8 +92,11 @@ class StaticInputs:
 
 class DecodeGraphs:
     """Static input buffers plus one graph per bucket. The attention metadata buffers are the backend's
-    (`graph_buffers`), so graphs work for any backend that supports them. Built in two steps: the buffers here,
-    the graphs in capture() (in between, the start-up compiles the buckets' kernels ahead: forward)."""
+    (`graph_buffers`), so graphs work for any backend that supports them. With enable_lora each bucket has a second
+    graph, for steps in which some sequence uses an adapter (each row's slot in the lora_slots buffer, the rows
+    grouped by slot in lora_order); steps of
+    the base model alone replay the first and pay nothing for LoRA. Built in two steps: the buffers here, the graphs
+    in capture() (in between, the start-up compiles the buckets' kernels ahead: forward)."""
 
     def __init__(self, runner):
         cfg, device, backend = runner.config, runner.device, runner.backend
@@ -106,19 +110,30 @@ class DecodeGraphs:
         metadata = backend.graph_buffers(max_bs, max_blocks, device)
         fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)
                   if isinstance(getattr(metadata, f.name), torch.Tensor)}
+        self.modes = (False, True) if runner.lora is not None else (False,)  # graph variants: with LoRA or not
+        # LoRA: each row's slot and the rows grouped by slot; a padding row has no adapter and its own place
+        lora = {"lora_slots": torch.full((max_bs,), -1, dtype=torch.int32),
+                "lora_order": torch.arange(max_bs, dtype=torch.int32)} if runner.lora is not None else {}
         # every input of the graphs in one buffer (stage); the block tables, the largest, last
         self.inputs = StaticInputs({"input_ids": torch.zeros(max_bs, dtype=torch.int64),
                                     "positions": torch.zeros(max_bs, dtype=torch.int64),
-                                    "rows": torch.full((max_bs,), -1, dtype=torch.int64),
+                                    "rows": torch.full((max_bs,), -1, dtype=torch.int64), **lora,
                                     **dict(sorted(fields.items(), key=lambda f: f[1].numel()))}, device)
         views = self.inputs.views
+        self.lora_slots, self.lora_order = views.get("lora_slots"), views.get("lora_order")
         self.input_ids, self.positions, self.rows = views["input_ids"], views["positions"], views["rows"]
-        self.step_views: dict[int, tuple] = {}  # stage's views by batch size
+        self.step_views: dict[tuple[int, bool], tuple] = {}  # stage's views by batch size and LoRA
         self.metadata = dataclasses.replace(metadata, **{name: views[name] for name in fields})
         self.outputs = torch.zeros(max_bs, hidden, dtype=cfg.torch_dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, LoRA) -> its graph
         self.logits_rows = LOGITS_IN_GRAPH_ROWS if cfg.tensor_parallel_size == 1 else 0
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's logits (in the graphs' memory pool)
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # its graph's logits (in the graphs' memory pool)
+
+    def _context(self, bs: int, lora: bool) -> Context:
+        context = self.backend.graph_view(self.metadata, bs)
+        if lora:
+            context.lora_slots, context.lora_order = self.lora_slots[:bs], self.lora_order[:bs]
+        return context
 
     @torch.inference_mode()
     def forward(self, buckets: list[int]):
@@ -126,8 +141,9 @@ class DecodeGraphs:
         LOGITS_IN_GRAPH_ROWS run the LM head's kernels outside their graphs, after each replay)."""
         try:
             for bs in buckets:
-                set_context(self.backend.graph_view(self.metadata, bs))
-                self.model.compute_logits(self.forward_fn(self.input_ids[:bs], self.positions[:bs]))
+                for lora in self.modes:
+                    set_context(self._context(bs, lora))
+                    self.model.compute_logits(self.forward_fn(self.input_ids[:bs], self.positions[:bs]))
         finally:
             reset_context()
 
@@ -136,16 +152,17 @@ class DecodeGraphs:
         pool = None
         try:
             for bs in reversed(self.buckets):  # largest first: its pool serves the smaller ones
-                set_context(self.backend.graph_view(self.metadata, bs))
-                self._step(bs)  # any JIT and scratch buffer before capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    logits = self._step(bs)
-                if logits is not None:
-                    self.logits[bs] = logits
-                pool = pool or graph.pool()
-                self.graphs[bs] = graph
-                torch.cuda.synchronize()
+                for lora in self.modes:
+                    set_context(self._context(bs, lora))
+                    self._step(bs)  # any JIT and scratch buffer before capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool):
+                        logits = self._step(bs)
+                    if logits is not None:
+                        self.logits[bs, lora] = logits
+                    pool = pool or graph.pool()
+                    self.graphs[bs, lora] = graph
+                    torch.cuda.synchronize()
         except BaseException:
             self.release()  # graphs captured so far would keep a TP group's NCCL communicator from closing
             raise
@@ -172,10 +189,12 @@ class DecodeGraphs:
         return batch_size <= self.buckets[-1]
 
     def stage(self, input_ids: list[int], positions: list[int], rows: list[int] | None, slot_mapping: list[int],
-              context_lens: list[int], block_tables: list[list[int]]
+              context_lens: list[int], block_tables: list[list[int]],
+              lora: tuple[list[int], list[int]] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, Context, torch.Tensor]:
         """A decode step's inputs written into the graphs' buffers by one copy, for replay(); rows: _previous_rows'
-        list, the metadata as the backend's decode_context takes it. Returns the buffers' views of the step's input
+        list, the metadata as the backend's decode_context takes it, lora the rows' adapter slots and their order
+        (lora/stack.py's step_slots; None: no row uses an adapter). Returns the buffers' views of the step's input
         ids, positions, context and rows (rows: empty when None)."""
         bs = len(input_ids)
 
@@ -184,20 +203,22 @@ class DecodeGraphs:
             views["positions"][:bs] = positions
             if rows is not None:
                 views["rows"][:bs] = rows
+            if lora is not None:
+                views["lora_slots"][:bs], views["lora_order"][:bs] = lora
             self.backend.write_graph_step(views, slot_mapping, context_lens, block_tables)
         self.inputs.stage(bucket_for(self.buckets, bs), write)
-        if bs not in self.step_views:  # (views cost host time too: one set per batch size)
-            self.step_views[bs] = (self.input_ids[:bs], self.positions[:bs],
-                                   self.backend.graph_view(self.metadata, bs), self.rows[:bs])
-        ids, pos, context, rows_view = self.step_views[bs]
+        key = bs, lora is not None
+        if key not in self.step_views:  # (views cost host time too: one set per batch size)
+            self.step_views[key] = (self.input_ids[:bs], self.positions[:bs], self._context(*key), self.rows[:bs])
+        ids, pos, context, rows_view = self.step_views[key]
         return ids, pos, context, rows_view if rows is not None else rows_view[:0]
 
-    def replay(self, bs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the step of `bs` sequences that stage() wrote into the buffers: (hidden rows, None), or (None, logits)
-        from a bucket that computes them. Both are valid until the next replay of any bucket (the logits are in the
-        graphs' shared memory pool): read them on this stream first."""
-        bucket = bucket_for(self.buckets, bs)
-        self.graphs[bucket].replay()
-        if bucket in self.logits:
-            return None, self.logits[bucket][:bs]
+    def replay(self, bs: int, lora: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the step of `bs` sequences that stage() wrote into the buffers (lora: with adapters): (hidden rows,
+        None), or (None, logits) from a bucket that computes them. Both are valid until the next replay of any
+        bucket (the logits are in the graphs' shared memory pool): read them on this stream first."""
+        key = bucket_for(self.buckets, bs), lora
+        self.graphs[key].replay()
+        if key in self.logits:
+            return None, self.logits[key][:bs]
         return self.outputs[:bs], None

@@ -20,6 +20,7 @@ from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.inputs import call_prompts, prompt_parts
+from nanovllm.lora.request import LoRARequest, cache_salt
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.sampling_params import SamplingParams
@@ -189,6 +190,9 @@ class LLMEngine:
         self.startup["tokenizer (waited for)"] = perf_counter() - start
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(config, self.num_kvcache_blocks)
+        if config.enable_lora:
+            from nanovllm.lora.manager import LoRAManager
+            self.scheduler.lora = LoRAManager(config)
         self.requests = RequestChecker(self.vocab_size, config.max_model_len, config.max_num_seqs,
                                        config.kvcache_block_size, self.num_kvcache_blocks, self.tokenizer, config.model)
         # One caller at a time: generate, a started stream, step and the weight and memory calls each hold it. A
@@ -319,13 +323,19 @@ class LLMEngine:
         return bool(self._asleep)
 
     # ---- requests -------------------------------------------------------------------------------
-    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
-        """A checked request as its first sample (the others in `.forks`), grammar matchers made."""
+    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams, lora_request=None) -> Sequence:
+        """A checked request as its first sample (the others in `.forks`), grammar matchers made, its adapter (a
+        LoRARequest; None: the base model) read and checked."""
         token_ids, sampling_params = self.requests.check(prompt, sampling_params)
+        adapter = self._adapter(lora_request)
         block_size = self.config.kvcache_block_size
         seq = Sequence(token_ids, block_size, sampling_params)
         seq.forks = [Sequence(token_ids, block_size, sampling_params, i) for i in range(1, sampling_params.n)]
         seq.prompt, seq.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
+        if adapter is not None:
+            for sample in (seq, *seq.forks):
+                sample.lora_request, sample.lora_id = adapter, adapter.lora_int_id
+                sample.cache_salt = cache_salt(adapter)
         if sampling_params.bad_words:
             words = self._bad_words_ids(sampling_params.bad_words)
             for sample in (seq, *seq.forks):
@@ -335,6 +345,33 @@ class LLMEngine:
             for sample in (seq, *seq.forks):
                 sample.grammar = compiler.matcher(sampling_params.structured_outputs)
         return seq
+
+    def _adapter(self, lora_request) -> LoRARequest | None:
+        """The registered LoRARequest a request names (read and checked the first time its id is seen)."""
+        if lora_request is None:
+            return None
+        if self.scheduler.lora is None:
+            raise ValueError("lora_request given, but LoRA is not enabled: create the LLM with enable_lora=True "
+                             "(and max_loras, max_lora_rank as needed), or pass lora_request=None")
+        return self.scheduler.lora.register(lora_request).request
+
+    # ---- LoRA adapters (vLLM's LLMEngine methods) -------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its first request (ValueError if it cannot be served); True."""
+        with self._exclusive("add_lora"):
+            if self._adapter(lora_request) is None:
+                raise TypeError("add_lora needs a LoRARequest, got None")
+            return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (its slot is refilled first); False if no adapter has that id."""
+        with self._exclusive("remove_lora"):
+            self._check_idle("remove_lora")
+            return self.scheduler.lora is not None and self.scheduler.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine knows (added, or named by a request)."""
+        return set(self.scheduler.lora.adapters) if self.scheduler.lora is not None else set()
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token sequences, as vLLM forms them: the word alone and after a space."""
@@ -376,6 +413,14 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> tuple[list[Sequence], int]:
+        try:
+            return self._step_once()
+        except BaseException:
+            if self.scheduler.lora is not None:  # a slot's load may not have run: refill before using any
+                self.scheduler.lora.forget()
+            raise
+
+    def _step_once(self) -> tuple[list[Sequence], int]:
         if self.config.async_scheduling:
             return self._step_async()
         batch = self.scheduler.schedule()
@@ -514,17 +559,18 @@ class LLMEngine:
             if sp.prompt_logprobs is not None else None
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs,
                              [self._sample_output(seq) for seq in samples], True,
-                             max(first.num_prefix_hit_tokens, 0))
+                             max(first.num_prefix_hit_tokens, 0), lora_request=first.lora_request)
 
-    def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
+    def _make_requests(self, prompts, sampling_params, stream: bool, lora_request=None) -> list[list[Sequence]]:
         """Each prompt's samples (n sequences; the first carries the others as forks until its prefill). Every
         request is checked before any is queued, so a bad one leaves the engine untouched."""
         if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
-        prompts, sampling_params = as_request_lists(
-            prompts, self.default_sampling_params if sampling_params is None else sampling_params)
-        requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params))]
+        prompts, sampling_params, loras = as_request_lists(
+            prompts, self.default_sampling_params if sampling_params is None else sampling_params, lora_request)
+        requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp, lora)
+                                                  for p, sp, lora in zip(prompts, sampling_params, loras))]
         for samples in requests:
             sp = samples[0].sampling_params
             if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
@@ -577,13 +623,14 @@ class LLMEngine:
         Returns one RequestOutput per prompt, in order (vLLM's: request_id, prompt, prompt_token_ids,
         prompt_logprobs, outputs with every sample's CompletionOutput, num_cached_tokens). It also reads as
         nano-vllm's dict: out["text"], out["token_ids"] of the first sample. With stream=True, returns an iterator
-        of per-step deltas instead (see `stream`). prompt_token_ids: older vLLM's keyword for token-id prompts;
-        lora_request and priority: None only."""
-        prompts = call_prompts(prompts, prompt_token_ids, lora_request, priority)
+        of per-step deltas instead (see `stream`). lora_request: a LoRARequest for every prompt, or one per prompt
+        (None: the base model), with enable_lora. prompt_token_ids: older vLLM's keyword for token-id prompts;
+        priority: None only."""
+        prompts = call_prompts(prompts, prompt_token_ids, priority)
         if stream:
-            return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
+            return self.stream(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         with self._exclusive("generate"):
-            requests = self._make_requests(prompts, sampling_params, stream=False)
+            requests = self._make_requests(prompts, sampling_params, False, lora_request)
             run = self._run(requests, use_tqdm)
             try:
                 for _ in run:
@@ -593,14 +640,14 @@ class LLMEngine:
             return [self._output(samples) for samples in requests]
 
     def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-               use_tqdm: bool = False) -> Iterator[dict]:
+               use_tqdm: bool = False, lora_request=None) -> Iterator[dict]:
         """Yield results as they are produced: one dict per sequence per step with "index" (the prompt's
         position), "sample_index" (which of its n samples), "text" (new text), "token_ids" (new token ids),
         "finished" and "finish_reason" (and "logprobs" for the new tokens when asked). Concatenated, each sample's
         deltas equal its generate() output.
         Requests are checked here, when stream() is called. The stream holds the engine from its first item until it
         is exhausted or closed: meanwhile another call (another stream's first item included) raises RuntimeError."""
-        requests = self._make_requests(prompts, sampling_params, stream=True)
+        requests = self._make_requests(prompts, sampling_params, True, lora_request)
         return self._stream(requests, use_tqdm)
 
     def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:

@@ -14,7 +14,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
-from nanovllm.layers.context import reset_context, set_context, to_device_packed
+from nanovllm.layers.context import get_context, reset_context, set_context, to_device_packed
+from nanovllm.lora.stack import step_slots
 from nanovllm.models import build_model
 from nanovllm.outputs import Logprob
 from nanovllm.sampling.sampler import Sampler
@@ -68,6 +69,10 @@ class ModelRunner:
         with self._phase("load"):
             self.model = self._load_model()
             cpu_weights.pack(self.model)  # CPU float32: oneDNN's layout (a no-op elsewhere)
+        self.lora = None  # enable_lora: the adapters' device slots (lora/stack.py), sized before the KV cache
+        if config.enable_lora:
+            from nanovllm.lora.stack import LoRAWeights
+            self.lora = LoRAWeights(self.model, config)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend, config.device, is_fp8(config.kv_cache_torch_dtype))
         self.backend.check_head_dim(self.attn_layers[0].head_dim)
@@ -248,6 +253,10 @@ class ModelRunner:
         # each sequence's last new token: the only position whose logits are sampled (forks sample their parent's)
         last = [n - 1 for n in cu_seqlens_q[1:]]
         context.logits_indices = self._to_device(last + [last[row] for _, row in batch.forks], torch.int64)
+        if any(seq.lora_slot >= 0 for seq in seqs):  # each token's adapter
+            counts = [end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])]
+            context.lora_slots, context.lora_order = to_device_packed(
+                self._to_device, step_slots([seq.lora_slot for seq in seqs], counts), torch.int32)
         fb = ForwardBatch(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
                           context, None)
         if batch.prompt_logprobs:  # the first `count` new tokens of those sequences score the prompt
@@ -263,11 +272,15 @@ class ModelRunner:
             positions.append(len(seq) - 1)
             context_lens.append(len(seq))
             slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
+        lora = step_slots([seq.lora_slot for seq in seqs], [1] * len(seqs)) \
+            if any(seq.lora_slot >= 0 for seq in seqs) else None
         if self.graphs is not None and self.graphs.can_run(len(seqs)):  # straight into the graphs' buffers
             input_ids, positions, context, rows = self.graphs.stage(input_ids, positions, rows, slot_mapping,
-                                                                    context_lens, self._padded_tables(seqs))
+                                                                    context_lens, self._padded_tables(seqs), lora)
             return ForwardBatch(input_ids, positions, context, None, staged=True), rows
         context = self.backend.decode_context(self._to_device, slot_mapping, context_lens, self._padded_tables(seqs))
+        if lora is not None:
+            context.lora_slots, context.lora_order = to_device_packed(self._to_device, lora, torch.int32)
         input_ids, positions, rows = to_device_packed(self._to_device, [input_ids, positions, rows or []],
                                                       torch.int64)
         return ForwardBatch(input_ids, positions, context, None), rows
@@ -288,6 +301,8 @@ class ModelRunner:
         """This step's tensors. Under async scheduling, a sequence whose input is the token `previous` sampled (still
         a placeholder on the host) takes it straight from the device."""
         seqs = batch.seqs
+        for slot, request in batch.lora_loads:  # (on the stream after the steps before: none of them uses the slot)
+            self.lora.load(slot, request)
         rows = self._previous_rows(seqs, previous) if previous is not None else None
         if batch.is_prefill:  # (the engine settles before a prefill: none takes tokens from `previous` today)
             fb = self._prepare_prefill(batch)
@@ -308,8 +323,10 @@ class ModelRunner:
         return fb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model's hidden rows for this step (its Context set): the fused step where it takes the row count."""
-        if self.fused_step is not None and self.fused_step.accepts(input_ids.size(0)):
+        """The model's hidden rows for this step (its Context set): the fused step where it takes the row count (and
+        the step uses no LoRA adapter, which it does not apply)."""
+        if (self.fused_step is not None and self.fused_step.accepts(input_ids.size(0))
+                and get_context().lora_slots is None):
             return self.fused_step(input_ids, positions)
         return self.model(input_ids, positions)
 
@@ -318,7 +335,7 @@ class ModelRunner:
         """Logits [rows of logits_indices, vocab] on rank 0 (None on the other ranks)."""
         set_context(fb.context)
         if fb.staged:  # a decode step in the graphs' buffers (_prepare_decode, where a graph runs its batch size)
-            hidden, logits = self.graphs.replay(fb.input_ids.size(0))
+            hidden, logits = self.graphs.replay(fb.input_ids.size(0), fb.context.lora_slots is not None)
             if logits is not None:  # a small bucket's graph computes them (decode has no prompt rows); they live in
                 return logits  # the graphs' pool until the next replay: this step's sampler is queued before it
         else:

@@ -12,20 +12,26 @@ from nanovllm.sampling_params import SamplingParams
 Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
-def as_request_lists(prompts, sampling_params) -> tuple[list, list]:
-    """The call's prompts and one sampling_params entry per prompt (a single value repeated), shapes checked."""
+def as_request_lists(prompts, sampling_params, lora_request=None) -> tuple[list, list, list]:
+    """The call's prompts, one sampling_params and one lora_request entry per prompt (a single value repeated),
+    shapes checked."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of str, token-id lists or prompt dicts, got {type(prompts).__name__}")
     if prompts and all(isinstance(p, int) for p in prompts):
         raise TypeError("prompts is a flat list of ints: wrap one token-id prompt in a list, [[...]]")
-    if not isinstance(sampling_params, (list, tuple)):
-        return list(prompts), [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
-                         "pass one SamplingParams or exactly one per prompt")
-    return list(prompts), list(sampling_params)
+    return list(prompts), _per_prompt(sampling_params, prompts, "sampling_params", "SamplingParams"), \
+        _per_prompt(lora_request, prompts, "lora_request", "LoRARequest (or None)")
+
+
+def _per_prompt(value, prompts: list, name: str, what: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"got {len(value)} {name} for {len(prompts)} prompts; pass one {what} or exactly one per "
+                         "prompt")
+    return list(value)
 
 
 def fork_copies(num_tokens: int, n: int, block_size: int) -> int:

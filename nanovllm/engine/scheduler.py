@@ -21,6 +21,7 @@ class Scheduler:
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.lora = None  # a LoRAManager with enable_lora (the engine sets it)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -48,13 +49,14 @@ class Scheduler:
         scheduled: list[Sequence] = []
         forks: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
+        loads: list[tuple[int, object]] = []
         budget = self.max_num_batched_tokens
         # Prefill: admit waiting sequences; the one at the head may be mid-way through a chunked prefill.
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
-                if not self._can_admit(seq):
-                    break
+                if not self._can_admit(seq) or (seq.lora_id and not self._take_lora_slot(seq, scheduled, loads)):
+                    break  # (an adapter without a free slot waits, as a prompt without free blocks does)
                 self.block_manager.allocate(seq)
                 if seq.num_prefix_hit_tokens < 0:
                     seq.num_prefix_hit_tokens = seq.num_cached_tokens
@@ -76,6 +78,7 @@ class Scheduler:
                 child.num_prefix_hit_tokens = seq.num_prefix_hit_tokens
                 child.prompt_logprobs = seq.prompt_logprobs  # one prompt, scored once (filled after this step)
                 child.status = SequenceStatus.RUNNING
+                child.lora_slot = seq.lora_slot
                 self.running.append(child)
                 forks.append((child, len(scheduled) - 1))
             seq.forks = []
@@ -85,7 +88,7 @@ class Scheduler:
             # the logits of positions start..min(end, prompt length - 1) score the prompt tokens after them
             scored = [(i, min(seq.num_cached_tokens + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
                        - seq.num_cached_tokens) for i, seq in enumerate(scheduled) if seq.needs_prompt_logprobs]
-            return ScheduledBatch(scheduled, True, out_index, forks, copies, scored)
+            return ScheduledBatch(scheduled, True, out_index, forks, copies, scored, loads)
 
         # Decode: one token per running sequence.
         done_when_settled = []  # async scheduling: their token in flight already ends them (length)
@@ -106,6 +109,18 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled + done_when_settled))
         return ScheduledBatch(scheduled, False, [seq.num_tokens for seq in scheduled])
+
+    def _take_lora_slot(self, seq: Sequence, scheduled: list[Sequence], loads: list) -> bool:
+        """A device slot for the adapter of `seq` (its load added to `loads`), or False when all hold adapters in
+        use, by running sequences or this step's (a prefill in progress is the first of those)."""
+        in_use = {s.lora_slot for s in (*self.running, *scheduled) if s.lora_id}
+        got = self.lora.acquire(seq.lora_id, in_use)
+        if got is None:
+            return False
+        seq.lora_slot, load = got
+        if load is not None:
+            loads.append((seq.lora_slot, load))
+        return True
 
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING

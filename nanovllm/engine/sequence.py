@@ -51,6 +51,10 @@ class Sequence:
         # Samples 1..n-1 of the request (on sample 0 only), forked from it when its prompt's prefill completes.
         self.forks: list[Sequence] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []  # sample 0, with prompt_logprobs
+        self.lora_request = None  # its LoRARequest, or None for the base model (rank 0)
+        self.lora_id = 0  # its adapter's lora_int_id (0: the base model)
+        self.cache_salt = -1  # the prefix cache's seed for its first block (lora/manager.py: cache_salt)
+        self.lora_slot = -1  # the device slot its adapter is in while it runs (-1: none)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -128,9 +132,9 @@ class Sequence:
         start = self.num_cached_tokens
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, start,
                 self.num_scheduled_tokens, self.block_table, self.token_ids[start : start + self.num_scheduled_tokens],
-                self.last_token)
+                self.last_token, self.lora_slot)
 
     def __setstate__(self, state):
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, self.token_ids, self.last_token) = state
+         self.num_scheduled_tokens, self.block_table, self.token_ids, self.last_token, self.lora_slot) = state
         self.token_offset = self.num_cached_tokens

@@ -219,6 +219,12 @@ def _sampler_kernels(logits: torch.Tensor, temperatures: torch.Tensor):
                         one if add else None)
 
 
+def _lora_slot(runner) -> int:
+    """With enable_lora, warm-ups run under slot 0 (zeros until an adapter is loaded: no update), so the LoRA
+    kernels compile here and their buffers count in the activation peak."""
+    return 0 if runner.lora is not None else -1
+
+
 def warmup(runner):
     """One prefill as large as a step can be, and sampling for the largest decode batch; on CUDA their Triton
     kernels compiled ahead, in parallel.
@@ -231,6 +237,7 @@ def warmup(runner):
     seqs = [Sequence([0] * seq_len, runner.block_size) for _ in range(num_seqs)]
     for seq in seqs:
         seq.num_scheduled_tokens = seq_len
+        seq.lora_slot = _lora_slot(runner)
     sample = runner.rank == 0
 
     def forward_passes():
@@ -265,10 +272,12 @@ def prefill_variants(runner) -> list[list[Sequence]]:
     for q_len in PREFILL_QUERY_LENS:
         fresh = Sequence([0] * q_len, runner.block_size)  # owns no cache: nothing is written
         fresh.num_scheduled_tokens = q_len
+        fresh.lora_slot = _lora_slot(runner)
         batches.append([fresh])
         history = Sequence([0] * (16 + q_len), runner.block_size)
         if runner.num_kvcache_blocks >= history.num_blocks:
             history.block_table = list(range(history.num_blocks))
             history.num_cached_tokens, history.num_scheduled_tokens = 16, q_len
+            history.lora_slot = _lora_slot(runner)
             batches.append([history])
     return batches

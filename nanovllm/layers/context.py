@@ -40,6 +40,8 @@ class Context:
     context_lens: torch.Tensor | None = None  # [num_seqs] int32 (decode: tokens to attend, the new one included)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, right-padded with -1
     logits_indices: torch.Tensor | None = None  # [rows] int64: hidden rows the LM head scores; None: every row
+    lora_slots: torch.Tensor | None = None  # [num_tokens] int32: each token's LoRA slot (-1: none); None: no adapter
+    lora_order: torch.Tensor | None = None  # [num_tokens] int32: the tokens grouped by LoRA slot (lora/stack.py)
 
 
 _CONTEXT = Context()

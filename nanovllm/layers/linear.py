@@ -50,6 +50,7 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.tp_group = get_tp_group()
+        self.lora = None  # a LoRAStack (lora/stack.py) with enable_lora: each token's adapter update added to y
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -87,7 +88,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // get_tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,4 +131,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None  # rank 0 alone adds it: the all-reduce adds it once
-        return all_reduce(linear(x, self.weight, bias), self.tp_group)
+        y = linear(x, self.weight, bias)
+        if self.lora is not None:  # each rank's update from its share of x: the all-reduce sums them too
+            y = self.lora.apply(x, y)
+        return all_reduce(y, self.tp_group)

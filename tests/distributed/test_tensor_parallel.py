@@ -103,6 +103,20 @@ def test_greedy_equals_tp1_and_transformers(request, engine, path):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
+def test_lora_under_tp_equals_peft(qwen3_tied, lora_attention, lora_mixed):
+    """Adapters split as their layers are (B's rows of column-parallel q/k/v and gate/up, A's columns of row-parallel
+    o and down): the base model and two adapters in one call give transformers + PEFT's tokens; chunked prefill."""
+    from tests.lora.adapters import peft_greedy
+    prompts = _prompts(12, [5, 40, 17, 150])
+    loras = [lora_mixed, None, lora_attention, lora_mixed]
+    with LLM(qwen3_tied, enable_lora=True, max_loras=2, max_num_batched_tokens=64, **TP_OPTIONS) as llm:
+        outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    for prompt, lora, out in zip(prompts, loras, outs):
+        want = hf_greedy(qwen3_tied, prompt, 16) if lora is None else peft_greedy(qwen3_tied, lora.lora_path, prompt,
+                                                                                  16)
+        assert out["token_ids"] == want, (lora, len(prompt))
+
+
 def test_fp8_kv_cache_under_tp_equals_tp1(qwen3_untied_mha):
     # the 8-bit cache is sharded by KV head: each rank quantizes its own heads with the per-(token, head) scales one
     # rank would use, so greedy tokens equal TP=1's with the same cache (chunked prefill reads history back too)

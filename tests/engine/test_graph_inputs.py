@@ -9,13 +9,14 @@ import torch
 
 from nanovllm.engine.cuda_graph import DecodeGraphs, StaticInputs, bucket_for
 from nanovllm.layers.attention.torch_ref import TorchAttention
+from nanovllm.lora.stack import step_slots
 
 
-def _graphs(max_num_seqs=20, max_model_len=1000, block_size=64):
+def _graphs(max_num_seqs=20, max_model_len=1000, block_size=64, lora=False):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_model_len=max_model_len, tensor_parallel_size=1,
                              hf_config=SimpleNamespace(hidden_size=8), torch_dtype=torch.float32)
     runner = SimpleNamespace(config=config, device=torch.device("cpu"), backend=TorchAttention(), model=None,
-                             forward=None, block_size=block_size)
+                             forward=None, block_size=block_size, lora=object() if lora else None)
     return DecodeGraphs(runner)
 
 
@@ -44,7 +45,7 @@ def test_static_inputs_are_views_of_one_buffer_aligned_and_initialized():
 
 
 def test_staged_step_inputs_hold_the_step_padded_and_nothing_from_an_earlier_step():
-    graphs = _graphs()
+    graphs = _graphs(lora=True)
     rng = random.Random(0)
     for bs in (7, 3, 16, 1, 20, 5):
         width = rng.randint(1, 16)
@@ -54,8 +55,19 @@ def test_staged_step_inputs_hold_the_step_padded_and_nothing_from_an_earlier_ste
         slots = [rng.randrange(5000) for _ in range(bs)]
         lens = [rng.randint(1, 1000) for _ in range(bs)]
         tables = [[rng.randrange(80) for _ in range(width)] for _ in range(bs)]
-        input_ids, pos, context, rows_view = graphs.stage(ids, positions, rows, slots, lens, tables)
+        lora = step_slots([rng.randrange(-1, 4) for _ in range(bs)], [1] * bs) if bs % 3 else None  # or no LoRA
+        input_ids, pos, context, rows_view = graphs.stage(ids, positions, rows, slots, lens, tables, lora)
         bucket = bucket_for(graphs.buckets, bs)
+        # LoRA steps carry each row's slot and the rows' order (padding rows and steps without adapters: slot -1,
+        # no update, each row in its own place)
+        lora_slots, order = lora or ([-1] * bs, list(range(bs)))
+        assert graphs.lora_slots[:bucket].tolist() == lora_slots + [-1] * (bucket - bs)
+        assert graphs.lora_order[:bucket].tolist() == order + list(range(bs, bucket))
+        if lora is None:
+            assert context.lora_slots is None and context.lora_order is None
+        else:
+            assert context.lora_slots.data_ptr() == graphs.lora_slots.data_ptr() and context.lora_slots.numel() == bs
+            assert context.lora_order.data_ptr() == graphs.lora_order.data_ptr() and context.lora_order.numel() == bs
         # padding rows up to the bucket write nothing (slot -1) and read nothing (context 0)
         assert graphs.metadata.slot_mapping[:bucket].tolist() == slots + [-1] * (bucket - bs)
         assert graphs.metadata.context_lens[:bucket].tolist() == lens + [0] * (bucket - bs)

@@ -74,3 +74,16 @@ def test_rl_rollout_example_runs(llm, gguf_cache):
                           env={**os.environ, "NANOVLLM_CACHE": gguf_cache})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "iteration 0: mean reward" in done.stdout and "example answer:" in done.stdout
+
+
+def test_lora_example_runs(llm, gguf_cache):
+    """examples/lora.py on the bundled model: the base model and two PEFT adapters in one call, each adapter's
+    tokens equal to transformers + PEFT's."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "lora.py"), "--max-tokens", "6"],
+                          capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "NANOVLLM_CACHE": gguf_cache})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[adapter2]" in done.stdout and "adapter tokens equal transformers + PEFT's: True" in done.stdout

@@ -1,0 +1,122 @@
+"""LoRA adapters on CPU in float32: the base model and PEFT adapters of different ranks and targets in one
+generate() call give transformers + PEFT's greedy tokens for each, with chunked prefill, the prefix cache, slot
+turnover (more adapters than max_loras), preemption, n > 1, streams and async scheduling; a failed step leaves no
+stale slot. TP=2 is in tests/distributed/test_tensor_parallel.py, bad inputs in test_lora_errors.py."""
+import random
+from unittest import mock
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.lora.adapters import peft_greedy
+from tests.tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+def expected(base: str, prompt: list[int], lora, max_tokens: int = 12) -> list[int]:
+    return hf_greedy(base, prompt, max_tokens) if lora is None else peft_greedy(base, lora.lora_path, prompt,
+                                                                                  max_tokens)
+
+
+def check(llm, base, prompts, loras, sp=GREEDY):
+    outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    for prompt, lora, out in zip(prompts, loras if isinstance(loras, list) else [loras] * len(prompts), outs):
+        assert out.lora_request == lora
+        for sample in out.outputs:
+            assert sample.token_ids == expected(base, prompt, lora, sp.max_tokens), (lora, prompt)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    with LLM(qwen3_tied, enable_lora=True, max_loras=2, max_lora_rank=16, kvcache_block_size=16) as llm:
+        yield llm
+
+
+def test_the_adapters_change_the_output(qwen3_tied, lora_attention, lora_mixed):
+    """(What makes the other tests able to fail: each adapter's tokens differ from the base model's.)"""
+    for prompt in prompts_of(0, [5, 30]):
+        base = hf_greedy(qwen3_tied, prompt, 12)
+        assert expected(qwen3_tied, prompt, lora_attention) != base
+        assert expected(qwen3_tied, prompt, lora_mixed) != base
+
+
+def test_base_and_two_adapters_in_one_call(llm, qwen3_tied, lora_attention, lora_mixed):
+    loras = [None, lora_attention, lora_mixed, lora_attention, None, lora_mixed, lora_mixed]
+    check(llm, qwen3_tied, prompts_of(1, [5, 40, 17, 33, 3, 70, 1]), loras)
+    check(llm, qwen3_tied, prompts_of(2, [9]), lora_mixed)  # one LoRARequest for every prompt
+    assert llm.list_loras() == {1, 2}
+
+
+def test_chunked_prefill(qwen3_tied, lora_attention, lora_mixed):
+    with LLM(qwen3_tied, enable_lora=True, max_loras=2, kvcache_block_size=16, max_num_batched_tokens=24,
+             max_model_len=128) as llm:
+        check(llm, qwen3_tied, prompts_of(3, [60, 50, 8, 45]), [lora_mixed, None, lora_attention, lora_attention])
+
+
+def test_the_prefix_cache_never_shares_blocks_between_adapters(llm, qwen3_tied, lora_attention, lora_mixed):
+    prompt = prompts_of(4, [50])[0]
+    # identical prompts under three models in one call: each computes its own blocks
+    outs = check(llm, qwen3_tied, [prompt] * 3, [lora_attention, lora_mixed, None])
+    assert all(out.num_cached_tokens == 0 for out in outs)
+    # and later calls: each model finds its own blocks, and only its own
+    for lora in (lora_mixed, None, lora_attention):
+        (out,) = check(llm, qwen3_tied, [prompt], [lora])
+        assert out.num_cached_tokens == 48
+    (out,) = check(llm, qwen3_tied, [prompt[:20] + [7] * 30], [lora_attention])
+    assert out.num_cached_tokens == 16  # a shared first block under the same adapter
+
+
+def test_more_adapters_than_slots_wait_for_one(qwen3_tied, lora_attention, lora_mixed, lora_third):
+    """max_loras=1: requests of three adapters and the base model in one call; each adapter's requests wait until
+    the slot is free, then refill it (and the host cache, max_cpu_loras=2, rereads the one it dropped)."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, max_cpu_loras=2, kvcache_block_size=16) as llm:
+        loras = [lora_attention, lora_mixed, None, lora_third, lora_attention, lora_mixed, None, lora_third]
+        check(llm, qwen3_tied, prompts_of(5, [12, 7, 30, 20, 5, 44, 9, 16]), loras)
+        check(llm, qwen3_tied, prompts_of(6, [10, 10]), [lora_third, lora_attention])
+
+
+def test_preemption(qwen3_tied, lora_attention, lora_mixed):
+    """A KV cache too small for every sequence at once: preempted sequences come back under their adapter."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=2, kvcache_block_size=16, num_kvcache_blocks=9,
+             max_model_len=64) as llm:
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        check(llm, qwen3_tied, prompts_of(7, [20, 25, 18, 30]), [lora_attention, None, lora_mixed, lora_mixed], sp)
+
+
+def test_n_samples_streams_and_beams(llm, qwen3_tied, lora_mixed):
+    prompt = prompts_of(8, [15])[0]
+    want = expected(qwen3_tied, prompt, lora_mixed)
+    (out,) = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+                          lora_request=lora_mixed, use_tqdm=False)
+    assert [s.token_ids for s in out.outputs] == [want] * 3
+    streamed = [t for item in llm.generate([prompt], GREEDY, stream=True, lora_request=lora_mixed)
+                for t in item["token_ids"]]
+    assert streamed == want
+    from nanovllm import BeamSearchParams
+    (beams,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=6),
+                               lora_request=lora_mixed)
+    assert beams.sequences[0].tokens[len(prompt):] == want[:6]
+    assert beams.sequences[0].lora_request == lora_mixed
+
+
+def test_async_scheduling(qwen3_tied, lora_attention, lora_mixed):
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16, async_scheduling=True) as llm:
+        check(llm, qwen3_tied, prompts_of(9, [12, 30, 7, 22]), [lora_attention, None, lora_mixed, lora_attention])
+
+
+def test_a_failed_step_leaves_no_stale_slot(qwen3_tied, lora_attention, lora_mixed):
+    """A step that fails after the scheduler gave out a slot (its load never ran): the next call loads again."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16) as llm:
+        prompt = prompts_of(10, [20])
+        with mock.patch.object(llm.executor, "run", side_effect=RuntimeError("device lost")):
+            with pytest.raises(RuntimeError, match="device lost"):
+                llm.generate(prompt, GREEDY, lora_request=lora_attention, use_tqdm=False)
+        check(llm, qwen3_tied, prompt, [lora_attention])
+        check(llm, qwen3_tied, prompt, [lora_mixed])

@@ -1,0 +1,133 @@
+"""Bad LoRA inputs: each is refused with an error that says what to change, before anything is queued, and the
+engine serves the next request (the base model's and an adapter's) correctly."""
+import os
+import shutil
+
+import pytest
+
+from nanovllm import LLM, LoRARequest, SamplingParams
+from tests.lora.adapters import edit_config, make_adapter, peft_greedy
+from tests.tiny_models import hf_greedy, make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = [5, 17, 300, 42, 9, 8, 77]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied):
+    with LLM(qwen3_tied, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16) as llm:
+        yield llm
+
+
+def still_works(llm, base: str, lora: LoRARequest):
+    outs = llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[None, lora], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == hf_greedy(base, PROMPT, 8)
+    assert outs[1].outputs[0].token_ids == peft_greedy(base, lora.lora_path, PROMPT, 8)
+    assert llm.scheduler.is_finished()
+
+
+def adapter_copy(source: LoRARequest, path, lora_int_id: int = 10, **config) -> LoRARequest:
+    shutil.copytree(source.lora_path, path)
+    if config:
+        edit_config(os.fspath(path), **config)
+    return LoRARequest(f"copy{lora_int_id}", lora_int_id, os.fspath(path))
+
+
+@pytest.fixture(scope="module")
+def other_base_adapter(tmp_path_factory) -> LoRARequest:
+    """An adapter of a model with a wider MLP than qwen3_tied's (the same layer count and hidden size)."""
+    other = make_checkpoint(tmp_path_factory.mktemp("wide_mlp"), "qwen3", tie=True, num_kv_heads=2,
+                            intermediate_size=96)
+    path = make_adapter(other, tmp_path_factory.mktemp("wide_mlp_lora"), 4, ["up_proj"])
+    return LoRARequest("wide", 20, path)
+
+
+@pytest.fixture(scope="module")
+def embedding_adapter(qwen3_tied, tmp_path_factory) -> LoRARequest:
+    path = make_adapter(qwen3_tied, tmp_path_factory.mktemp("embed_lora"), 4, ["q_proj", "embed_tokens"])
+    return LoRARequest("embed", 21, path)
+
+
+def test_lora_request_without_enable_lora(qwen3_tied, lora_attention):
+    with LLM(qwen3_tied, kvcache_block_size=16) as plain:
+        with pytest.raises(ValueError, match="LoRA is not enabled: create the LLM with enable_lora=True"):
+            plain.generate([PROMPT], GREEDY, lora_request=lora_attention, use_tqdm=False)
+        assert plain.generate([PROMPT], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(qwen3_tied, PROMPT, 8)
+        assert plain.list_loras() == set()
+
+
+def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_attention, lora_mixed, tmp_path,
+                                                         other_base_adapter, embedding_adapter):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(os.path.join(lora_attention.lora_path, "adapter_config.json"), no_weights)
+    cases = [
+        (LoRARequest("missing", 30, os.fspath(tmp_path / "nowhere")), "no adapter_config.json"),
+        (LoRARequest("empty", 31, os.fspath(empty)), "no adapter_config.json"),
+        (LoRARequest("no_weights", 32, os.fspath(no_weights)), "no adapter_model.safetensors"),
+        (lora_mixed, "rank 16, above max_lora_rank=8; raise max_lora_rank"),
+        (other_base_adapter, r"A \[r, 64\] and B \[128, r\]: an adapter made for another base model"),
+        (embedding_adapter, "embed_tokens"),
+        (adapter_copy(lora_attention, tmp_path / "dora", 33, use_dora=True), "DoRA is not supported"),
+        (adapter_copy(lora_attention, tmp_path / "prefix", 34, peft_type="PREFIX_TUNING"),
+         "only LoRA adapters are supported"),
+        (adapter_copy(lora_attention, tmp_path / "bias", 35, bias="lora_only"), "trained biases are not supported"),
+        (adapter_copy(lora_attention, tmp_path / "save", 36, modules_to_save=["lm_head"]), "modules_to_save"),
+    ]
+    for request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[None, request], use_tqdm=False)
+        with pytest.raises(ValueError, match=message):
+            llm.add_lora(request)
+        assert request.lora_int_id not in llm.list_loras()
+        still_works(llm, qwen3_tied, lora_attention)
+
+
+def test_an_id_reused_for_another_path(llm, qwen3_tied, lora_attention, tmp_path):
+    llm.add_lora(lora_attention)
+    other = adapter_copy(lora_attention, tmp_path / "copy", lora_attention.lora_int_id)
+    with pytest.raises(ValueError, match=f"lora_int_id {lora_attention.lora_int_id} already names adapter "
+                                         "'attention'.*give .* another id, or remove_lora the first"):
+        llm.generate([PROMPT], GREEDY, lora_request=other, use_tqdm=False)
+    still_works(llm, qwen3_tied, lora_attention)
+    # removed, the id is free for the other path (and the first adapter's slot is never served for it)
+    assert llm.remove_lora(lora_attention.lora_int_id) and not llm.remove_lora(999)
+    assert lora_attention.lora_int_id not in llm.list_loras()
+    still_works(llm, qwen3_tied, other)
+    assert llm.remove_lora(other.lora_int_id)
+
+
+def test_bad_call_shapes(llm, qwen3_tied, lora_attention):
+    with pytest.raises(ValueError, match="got 1 lora_request for 2 prompts; pass one LoRARequest"):
+        llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[lora_attention], use_tqdm=False)
+    with pytest.raises(TypeError, match="lora_request must be a nanovllm.lora.LoRARequest or None, got dict"):
+        llm.generate([PROMPT], GREEDY, lora_request={"lora_name": "x"}, use_tqdm=False)
+    with pytest.raises(TypeError, match="add_lora needs a LoRARequest"):
+        llm.add_lora(None)
+    still_works(llm, qwen3_tied, lora_attention)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(lora_name="", lora_int_id=1, lora_path="x"), "lora_name must be a non-empty str"),
+    (dict(lora_name="a", lora_int_id=0, lora_path="x"), r"lora_int_id must be an int >= 1 \(0 is the base model\)"),
+    (dict(lora_name="a", lora_int_id=True, lora_path="x"), "lora_int_id must be an int"),
+    (dict(lora_name="a", lora_int_id=1, lora_path=""), "lora_path must be the adapter's directory"),
+])
+def test_bad_lora_requests(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoRARequest(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(max_loras=0), ValueError, "max_loras must be >= 1, got 0"),
+    (dict(max_lora_rank=0), ValueError, r"max_lora_rank must be in \[1, 512\], got 0"),
+    (dict(max_loras=3, max_cpu_loras=2), ValueError, r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
+    (dict(max_loras="2"), TypeError, "max_loras must be int"),
+    (dict(max_cpu_loras=1.5), TypeError, "max_cpu_loras must be int or None"),
+    (dict(data_parallel_size=2), ValueError, "enable_lora with data_parallel_size > 1 is not supported"),
+])
+def test_bad_lora_options(qwen3_tied, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LLM(qwen3_tied, enable_lora=True, **kwargs)
