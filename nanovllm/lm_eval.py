@@ -5,8 +5,9 @@
 runs lm-eval's own command line with this module imported (which registers the model type); in Python,
 `import nanovllm.lm_eval` and then `lm_eval.simple_evaluate(model="nanovllm", ...)`. model_args are `pretrained`
 (a checkpoint directory or .gguf file; with `gguf_file`, a file in that directory, as the transformers backend
-takes it), lm-eval's usual max_gen_toks, max_length, add_bos_token, prefix_token_id and think_end_token, and any
-LLM(...) option. Scoring uses prompt_logprobs on the vLLM-shaped API, as lm-eval's vLLM backend does."""
+takes it), lm-eval's usual max_gen_toks, max_length, add_bos_token, prefix_token_id and think_end_token,
+`lora_local_path` (a PEFT adapter every request runs under, as in lm-eval's vLLM backend), and any LLM(...)
+option. Scoring uses prompt_logprobs on the vLLM-shaped API, as lm-eval's vLLM backend does."""
 import os
 
 from lm_eval.api.model import TemplateLM
@@ -21,6 +22,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from nanovllm.llm import LLM
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
 _SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)
@@ -33,12 +35,16 @@ class NanoVLLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, gguf_file: str | None = None, max_gen_toks: int = 256,
                  max_length: int | None = None, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
                  think_end_token: str | None = None, batch_size=None, max_batch_size=None, device: str | None = None,
-                 **engine_kwargs):
+                 lora_local_path: str | None = None, **engine_kwargs):
         super().__init__()
         del batch_size, max_batch_size  # (lm-eval's batching: the engine schedules its own batches)
         if device == "cpu":  # lm-eval's --device ("cuda", its default, leaves the engine's choice: CUDA when present;
             engine_kwargs.setdefault("device", "cpu")  # pick a GPU with CUDA_VISIBLE_DEVICES)
         model = os.path.join(pretrained, gguf_file) if gguf_file else pretrained
+        self.lora = None  # lora_local_path: every request under that PEFT adapter, as lm-eval's vLLM backend does
+        if lora_local_path is not None:
+            engine_kwargs.setdefault("enable_lora", True)
+            self.lora = LoRARequest("finetuned", 1, lora_local_path)
         self.llm = LLM(model, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.add_bos_token, self.think_end_token = add_bos_token, think_end_token
@@ -91,7 +97,7 @@ class NanoVLLM(TemplateLM):
             tokens = (context + continuation)[-self.max_length:]
             inputs.append({"prompt_token_ids": tokens})
             starts.append(len(tokens) - len(continuation))
-        outputs = self.llm.generate(inputs, _SCORE, use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(inputs, _SCORE, use_tqdm=not disable_tqdm, lora_request=self.lora)
         results = []
         for request, start, out in zip(inputs, starts, outputs):
             tokens, scored = request["prompt_token_ids"], out.prompt_logprobs
@@ -131,7 +137,7 @@ class NanoVLLM(TemplateLM):
                 raise ValueError(f"a task's generation_kwargs has an option nanovllm's SamplingParams lacks: {e}") \
                     from None
             stops.append(until)
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, lora_request=self.lora)
         texts = [postprocess_generated_text(out.outputs[0].text, until, self.think_end_token)
                  for out, until in zip(outputs, stops)]
         for req, text in zip(requests, texts):

@@ -83,6 +83,28 @@ def test_scores_equal_the_transformers_backend(bundled, tasks):
     assert responses == [s["filtered_resps"] for s in reference["samples"]["nano_sums"]]
 
 
+def test_a_lora_adapter_scores_as_the_transformers_backend_with_peft(bundled, tasks, tmp_path):
+    """lora_local_path (lm-eval's vLLM backend's name) against the transformers backend's peft=: the same adapter
+    of the bundled model, the same scores."""
+    from nanovllm.checkpoint.loader import resolve_checkpoint
+    from tests.lora.adapters import make_adapter
+    folder, name = os.path.split(bundled)
+    adapter = make_adapter(resolve_checkpoint(bundled), tmp_path / "adapter", 8,
+                           ["q_proj", "v_proj", "gate_proj", "down_proj"], alpha=8, seed=5, scale=0.5)
+    ours = _evaluate("nanovllm", f"pretrained={folder},gguf_file={name},max_model_len=2048,"
+                                 f"lora_local_path={adapter}", tasks)
+    reference = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu,peft={adapter}",
+                          tasks)
+    base = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu", tasks)
+    assert reference["results"]["nano_text"] != base["results"]["nano_text"]  # the adapter matters
+    for task, metrics in reference["results"].items():  # (float32 sums in another order: perplexity to 5e-5)
+        for metric, value in metrics.items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert ours["results"][task][metric] == pytest.approx(value, rel=5e-5), (task, metric)
+    for a, b in zip(ours["samples"]["nano_text"], reference["samples"]["nano_text"], strict=True):
+        assert a["resps"][0][0] == pytest.approx(b["resps"][0][0], abs=3e-4)
+
+
 def test_command_line(bundled, tasks):
     """`python -m nanovllm.lm_eval run ...`: lm-eval's own command line, with the model type registered."""
     import subprocess
