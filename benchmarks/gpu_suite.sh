@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|lora|kernels_fp8|latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|ncu_small|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench|tp_profile|dp2|moe_tp2|tp4_bench|dp4|dp2_tp2|multi2|multi4]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -57,6 +57,12 @@ if has plain; then
 fi
 if has fp8; then
   step bench_fp8 240 python3 bench.py --kv-cache-dtype fp8 --profile --no-tqdm
+fi
+if has lora; then  # LoRA (docs/lora.md): enabled without requests, 4 rank-16 adapters, batch-1/64 decode with one
+  step bench_enable_lora 240 python3 bench.py --enable-lora --no-tqdm
+  step bench_lora 240 python3 bench.py --lora 4 --profile --no-tqdm
+  TAIL=4 step latency_lora 200 python3 benchmarks/latency.py --batches 1 64 --prefill-seqs 0 --new-tokens 128 \
+    --clocks-up 2 --lora-rank 16
 fi
 if has kernels_fp8; then
   TAIL=14 step kernels_fp8 240 python3 benchmarks/attention_kernels.py --quick --kv-cache-dtype fp8
