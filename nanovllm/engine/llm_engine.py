@@ -323,19 +323,13 @@ class LLMEngine:
         return bool(self._asleep)
 
     # ---- requests -------------------------------------------------------------------------------
-    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams, lora_request=None) -> Sequence:
-        """A checked request as its first sample (the others in `.forks`), grammar matchers made, its adapter (a
-        LoRARequest; None: the base model) read and checked."""
+    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
+        """A checked request as its first sample (the others in `.forks`), grammar matchers made."""
         token_ids, sampling_params = self.requests.check(prompt, sampling_params)
-        adapter = self._adapter(lora_request)
         block_size = self.config.kvcache_block_size
         seq = Sequence(token_ids, block_size, sampling_params)
         seq.forks = [Sequence(token_ids, block_size, sampling_params, i) for i in range(1, sampling_params.n)]
         seq.prompt, seq.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
-        if adapter is not None:
-            for sample in (seq, *seq.forks):
-                sample.lora_request, sample.lora_id = adapter, adapter.lora_int_id
-                sample.cache_salt = cache_salt(adapter)
         if sampling_params.bad_words:
             words = self._bad_words_ids(sampling_params.bad_words)
             for sample in (seq, *seq.forks):
@@ -346,21 +340,29 @@ class LLMEngine:
                 sample.grammar = compiler.matcher(sampling_params.structured_outputs)
         return seq
 
-    def _adapter(self, lora_request) -> LoRARequest | None:
-        """The registered LoRARequest a request names (read and checked the first time its id is seen)."""
-        if lora_request is None:
-            return None
+    def _set_adapters(self, seqs: list[Sequence], loras: list) -> None:
+        """Each request's adapter (a LoRARequest, or None: the base model) on it and its forks, every adapter read
+        and checked first (LoRAManager.register: all or none kept)."""
+        if all(lora is None for lora in loras):
+            return
         if self.scheduler.lora is None:
             raise ValueError("lora_request given, but LoRA is not enabled: create the LLM with enable_lora=True "
                              "(and max_loras, max_lora_rank as needed), or pass lora_request=None")
-        return self.scheduler.lora.register(lora_request).request
+        for seq, lora, adapter in zip(seqs, loras, self.scheduler.lora.register(loras)):
+            if adapter is not None:
+                for sample in (seq, *seq.forks):
+                    sample.lora_request, sample.lora_id = lora, lora.lora_int_id  # (the caller's request, echoed)
+                    sample.cache_salt = cache_salt(adapter.request, adapter.generation)
 
     # ---- LoRA adapters (vLLM's LLMEngine methods) -------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter ahead of its first request (ValueError if it cannot be served); True."""
         with self._exclusive("add_lora"):
-            if self._adapter(lora_request) is None:
+            if lora_request is None:
                 raise TypeError("add_lora needs a LoRARequest, got None")
+            if self.scheduler.lora is None:
+                raise ValueError("add_lora needs LoRA enabled: create the LLM with enable_lora=True")
+            self.scheduler.lora.register([lora_request])
             return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -393,12 +395,14 @@ class LLMEngine:
     def _check_awake(self):
         check_awake(self._asleep, self._weights_discarded)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
-        """Queue one request for step(); returns its first sample (with n > 1, the others are in `.forks` until
-        its prompt is prefilled, then they run as sequences of their own)."""
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, lora_request=None) -> Sequence:
+        """Queue one request for step() (under the adapter `lora_request`, or the base model); returns its first
+        sample (with n > 1, the others are in `.forks` until its prompt is prefilled, then they run as sequences of
+        their own)."""
         with self._exclusive("add_request"):
             self._check_awake()
             seq = self.make_sequence(prompt, sampling_params)
+            self._set_adapters([seq], [lora_request])
             self.scheduler.add(seq)
             return seq
 
@@ -569,8 +573,9 @@ class LLMEngine:
         self._check_awake()
         prompts, sampling_params, loras = as_request_lists(
             prompts, self.default_sampling_params if sampling_params is None else sampling_params, lora_request)
-        requests = [[seq, *seq.forks] for seq in (self.make_sequence(p, sp, lora)
-                                                  for p, sp, lora in zip(prompts, sampling_params, loras))]
+        firsts = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        self._set_adapters(firsts, loras)  # (after every prompt's checks: a refused call registers no adapter)
+        requests = [[seq, *seq.forks] for seq in firsts]
         for samples in requests:
             sp = samples[0].sampling_params
             if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:

@@ -50,6 +50,8 @@ class Scheduler:
         forks: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
         loads: list[tuple[int, object]] = []
+        if self.lora is not None and self.lora.stale:
+            self._reload_lora_slots(loads)
         budget = self.max_num_batched_tokens
         # Prefill: admit waiting sequences; the one at the head may be mid-way through a chunked prefill.
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
@@ -108,7 +110,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled + done_when_settled))
-        return ScheduledBatch(scheduled, False, [seq.num_tokens for seq in scheduled])
+        return ScheduledBatch(scheduled, False, [seq.num_tokens for seq in scheduled], lora_loads=loads)
 
     def _take_lora_slot(self, seq: Sequence, scheduled: list[Sequence], loads: list) -> bool:
         """A device slot for the adapter of `seq` (its load added to `loads`), or False when all hold adapters in
@@ -121,6 +123,20 @@ class Scheduler:
         if load is not None:
             loads.append((seq.lora_slot, load))
         return True
+
+    def _reload_lora_slots(self, loads: list):
+        """After a failed step (LoRAManager.forget): a slot for each running sequence's adapter, loaded again (the
+        running sequences use at most max_loras adapters, so each finds one)."""
+        self.lora.stale = False
+        slots: dict[int, int] = {}
+        for seq in self.running:
+            if seq.lora_id:
+                if seq.lora_id not in slots:
+                    slot, load = self.lora.acquire(seq.lora_id, set(slots.values()))
+                    slots[seq.lora_id] = slot
+                    if load is not None:
+                        loads.append((slot, load))
+                seq.lora_slot = slots[seq.lora_id]
 
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING

@@ -20,10 +20,13 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 @dataclass
 class Adapter:
-    """A checked adapter: its request, and per (layer, module) the rank and scaling of its update."""
+    """A checked adapter: its request, and per (layer, module) the rank and scaling of its update. generation: which
+    registration of its id this is (lora/manager.py): an id removed and added again, its files perhaps rewritten,
+    is a new adapter to every cache."""
 
     request: LoRARequest
     modules: dict[tuple[int, str], tuple[int, float]]
+    generation: int = 0
 
     @property
     def rank(self) -> int:

@@ -28,9 +28,10 @@ class LoRARequest:
         return self.lora_int_id
 
 
-def cache_salt(request: LoRARequest | None) -> int:
+def cache_salt(request: LoRARequest | None, generation: int = 0) -> int:
     """What the prefix cache chains a sequence's first block onto: -1 for the base model, else a value of the
-    adapter's id and path, so that blocks are never shared between adapters."""
+    adapter's id, path and registration (lora/manager.py), so that blocks are never shared between adapters, nor
+    with an adapter removed and added again."""
     if request is None:
         return -1
-    return xxhash.xxh64(f"{request.lora_int_id}:{request.lora_path}".encode()).intdigest() >> 1
+    return xxhash.xxh64(f"{request.lora_int_id}:{request.lora_path}:{generation}".encode()).intdigest() >> 1

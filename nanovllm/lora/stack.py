@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.context import get_context
-from nanovllm.lora.peft import read_adapter
-from nanovllm.lora.request import LoRARequest
+from nanovllm.lora.peft import Adapter
 
 RANK_BLOCK = 16  # stacks are this many ranks wide at least, in multiples of it (the kernels' tiles)
 
@@ -22,15 +21,15 @@ class LoRAStack:
     [i * max_rank, i * max_rank + r): A [slots, width, in] and B [slots, out, width] hold each part's matrices in its
     block (zeros elsewhere), so one shrink and one expand serve every part and every adapter of a step."""
 
-    def __init__(self, linear: nn.Module, part_sizes: list[int], max_loras: int, max_rank: int):
-        weight = linear.weight
+    def __init__(self, linear: nn.Module, part_sizes: list[int], max_loras: int, max_rank: int, dtype: torch.dtype):
+        weight = linear.weight  # (its shape and device; an fp8 weight's adapters are in the model's dtype)
         self.part_sizes = part_sizes  # this rank's output rows of each part
         self.max_rank = max_rank
         self.row_parallel = linear.tp_dim == 1  # input split over ranks: A is split with it, B is whole
         self.tp_rank, self.tp_size = linear.tp_rank, linear.tp_size
         width = -(-len(part_sizes) * max_rank // RANK_BLOCK) * RANK_BLOCK
-        self.a = torch.zeros(max_loras, width, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(max_loras, weight.shape[0], width, dtype=weight.dtype, device=weight.device)
+        self.a = torch.zeros(max_loras, width, weight.shape[1], dtype=dtype, device=weight.device)
+        self.b = torch.zeros(max_loras, weight.shape[0], width, dtype=dtype, device=weight.device)
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]):
         """Put an adapter's (A [r, in], B [out, r]) of each part (None: not targeted) into `slot`: this rank's
@@ -112,14 +111,16 @@ class LoRAWeights:
                 sizes.update(gate_up_proj=[inter, inter], down_proj=[mlp.down_proj.weight.shape[0]])
                 linears.update(gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj)
             for name, linear in linears.items():
-                linear.lora = self.stacks[i, name] = LoRAStack(linear, sizes[name], config.max_loras, self.max_rank)
+                linear.lora = self.stacks[i, name] = LoRAStack(linear, sizes[name], config.max_loras, self.max_rank,
+                                                               config.torch_dtype)
         self.host: OrderedDict[tuple[int, str], dict] = OrderedDict()
 
-    def load(self, slot: int, request: LoRARequest):
-        key = (request.lora_int_id, request.lora_path)
+    def load(self, slot: int, adapter: Adapter):
+        """Put `adapter` (checked by the engine's LoRAManager) into device slot `slot` on this rank."""
+        key = (adapter.request.lora_int_id, adapter.generation)
         tensors = self.host.pop(key, None)
         if tensors is None:
-            tensors = read_adapter(request, self.hf_config, self.max_rank).tensors()
+            tensors = adapter.tensors()
         self.host[key] = tensors  # most recently used last
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)

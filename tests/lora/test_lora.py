@@ -120,3 +120,61 @@ def test_a_failed_step_leaves_no_stale_slot(qwen3_tied, lora_attention, lora_mix
                 llm.generate(prompt, GREEDY, lora_request=lora_attention, use_tqdm=False)
         check(llm, qwen3_tied, prompt, [lora_attention])
         check(llm, qwen3_tied, prompt, [lora_mixed])
+
+
+def test_an_adapter_removed_rewritten_and_added_again_is_the_new_one(qwen3_tied, lora_attention, tmp_path):
+    """The usual fine-tuning loop: save to the same directory, remove_lora, add it again under the same id. Neither
+    the host cache of read adapters nor the prefix cache may serve the old one."""
+    import shutil
+
+    from nanovllm import LoRARequest
+    from tests.lora.adapters import make_adapter
+    path = tmp_path / "adapter"
+    shutil.copytree(lora_attention.lora_path, path)
+    first = LoRARequest("tuned", 7, str(path))
+    prompt = prompts_of(11, [40])
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, max_cpu_loras=2, kvcache_block_size=16) as llm:
+        check(llm, qwen3_tied, prompt, [first])
+        assert llm.remove_lora(7)
+        shutil.rmtree(path)
+        make_adapter(qwen3_tied, path, 8, ["q_proj", "v_proj", "down_proj"], seed=9)  # retrained, same place
+        from tests.lora import adapters
+        adapters._peft_model.cache_clear()  # (the reference reads the new files too)
+        assert llm.add_lora(first)
+        (out,) = check(llm, qwen3_tied, prompt, [first])
+        assert out.num_cached_tokens == 0  # the old adapter's blocks are not this one's
+
+
+def test_outputs_echo_the_callers_request_and_add_request_takes_one(llm, qwen3_tied, lora_attention):
+    from nanovllm import LoRARequest
+    renamed = LoRARequest("renamed", lora_attention.lora_int_id, lora_attention.lora_path)
+    (out,) = check(llm, qwen3_tied, prompts_of(12, [9]), [renamed])
+    assert out.lora_request.lora_name == "renamed"
+    prompt = prompts_of(13, [21])[0]
+    seq = llm.add_request(prompt, GREEDY, lora_request=lora_attention)
+    while not llm.is_finished():
+        llm.step()
+    assert seq.completion_token_ids == expected(qwen3_tied, prompt, lora_attention)
+
+
+def test_a_refused_call_registers_no_adapter(llm, qwen3_tied, lora_third):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 6], [10**6]], GREEDY, lora_request=[lora_third, None], use_tqdm=False)
+    assert lora_third.lora_int_id not in llm.list_loras()
+
+
+def test_after_a_failed_step_the_running_adapters_are_loaded_again(qwen3_tied, lora_attention):
+    """A step that fails (its loads may not have run) leaves no slot trusted: the next step, a decode step too,
+    loads the running sequences' adapters again."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16) as llm:
+        llm.add_request(prompts_of(14, [12])[0], GREEDY, lora_request=lora_attention)
+        llm.step()  # the prefill (loads the adapter), then a decode step that fails
+        with mock.patch.object(llm.executor, "run", side_effect=RuntimeError("device lost")):
+            with pytest.raises(RuntimeError):
+                llm.step()
+        batches = []
+        with mock.patch.object(llm.executor, "run", side_effect=lambda batch: batches.append(batch) or 1 / 0):
+            with pytest.raises(ZeroDivisionError):
+                llm.step()
+        assert not batches[0].is_prefill and [slot for slot, _ in batches[0].lora_loads] == [0]
+        assert batches[0].lora_loads[0][1].request == lora_attention
