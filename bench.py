@@ -7,6 +7,7 @@
     python bench.py --dp 2                # two engine replicas (data parallel), each on its own GPU
     python bench.py --lora 4              # 4 random rank-16 LoRA adapters, the requests spread over them
     python bench.py --enable-lora         # LoRA enabled, no request uses an adapter
+    python bench.py --quantization fp8    # fp8 weights (quantized at load)
 """
 import argparse
 import json
@@ -90,6 +91,8 @@ def run_nanovllm(args, prompts, max_tokens) -> float:
         kwargs["async_scheduling"] = args.async_scheduling
     if args.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     loras = None
     if args.lora or args.enable_lora:
         kwargs.update(enable_lora=True, max_loras=max(args.lora, 1), max_lora_rank=args.lora_rank)
@@ -222,6 +225,7 @@ def main():
                    help="launch decode step N+1 before reading step N's tokens (default: on for one CUDA rank)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2")
+    p.add_argument("--quantization", default=None, help="fp8: the linear layers' weights in fp8 (quantized at load)")
     p.add_argument("--lora", type=int, default=0, help="N random LoRA adapters (max_loras=N), request i uses "
                    "adapter i %% N (needs a model directory with config.json)")
     p.add_argument("--lora-rank", type=int, default=16, help="the --lora adapters' rank (max_lora_rank)")

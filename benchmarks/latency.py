@@ -1,7 +1,7 @@
 """Small-batch latency and prefill throughput (issue #14's rows), Qwen3-0.6B shape with random weights.
 
     python benchmarks/latency.py [--model PATH] [--prefill-seqs 512] [--batches 1 16 64] [--prompt-len 512]
-                                 [--lora-rank R]
+                                 [--lora-rank R] [--quantization fp8]
 
 - decode ms/token at batch 1, 16 and 64: prompts of 512 random tokens (--prompt-len: the decode rows' contexts
   start there); (time for 1 + N tokens - time for 1 token) / N, so prefill is left out; median of three runs.
@@ -65,14 +65,18 @@ def main():
     p.add_argument("--prefill-seqs", type=int, default=512, help="0: no prefill row")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dummy", action="store_true", help="random weights (implied for the default model)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the decode rows")
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids are uniform in [0, this]")
+    p.add_argument("--quantization", default=None, help="fp8: the weights in fp8 (quantized at load)")
     p.add_argument("--lora-rank", type=int, default=0, help="every request under one random adapter of this rank")
     p.add_argument("--clocks-up", type=float, default=3.0, help="seconds of matmuls before each timed row (0: none)")
     args = p.parse_args()
     if args.new_tokens < 1 or args.prefill_seqs < 0 or min(args.batches) < 1 or args.prompt_len < 1:
         p.error("--new-tokens, --prompt-len and every --batches value must be at least 1, --prefill-seqs at least 0")
-    options = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG else {}
+    options = {"load_format": "dummy"} if args.model == DEFAULT_CONFIG or args.dummy else {}
+    if args.quantization:
+        options["quantization"] = args.quantization
     global LORA, MAX_TOKEN_ID
     MAX_TOKEN_ID = args.max_token_id
     if args.lora_rank:

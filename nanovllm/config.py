@@ -46,12 +46,16 @@ class Config:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # quantized weights (docs/quantization.md): None loads the checkpoint as it is (an FP8 checkpoint's own
+    # format included); "fp8" quantizes a 16/32-bit checkpoint's linear layers at load
+    quantization: str | None = None
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, init=False)
     torch_dtype: torch.dtype = field(default=None, init=False)
     kv_cache_torch_dtype: torch.dtype = field(default=None, init=False)  # the cache's element type
+    quant: object = field(default=None, init=False, repr=False)  # the weights' QuantConfig (quantization/config.py)
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> "Config":
@@ -131,6 +135,12 @@ class Config:
             self.max_model_len = min(self.max_model_len, max_pos)
         from nanovllm.models import check_model_config  # before any weight is read: unknown arch, sliding window
         check_model_config(self.hf_config, self.max_model_len)
+        from nanovllm.quantization import quant_config
+        self.quant = quant_config(self.hf_config, self.quantization)
+        if self.quant is not None and (getattr(self.hf_config, "num_experts", None)
+                                       or getattr(self.hf_config, "num_local_experts", None)):
+            raise ValueError("fp8 weights for mixture-of-experts models are not supported yet (the fused MoE kernel "
+                             "takes 16-bit experts); load a 16-bit checkpoint without quantization")
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype]
@@ -162,16 +172,16 @@ class Config:
             if not f.init or f.name == "model":
                 continue
             value, expected = getattr(self, f.name), f.type
-            if value is None and expected in (bool | None, int | None):  # None: decided in __post_init__
+            if value is None and expected in (bool | None, int | None, str | None):  # None: decided later
                 continue
-            expected = {bool | None: bool, int | None: int}.get(expected, expected)
+            expected = {bool | None: bool, int | None: int, str | None: str}.get(expected, expected)
             ok = {int: isinstance(value, int) and not isinstance(value, bool),
                   float: isinstance(value, (int, float)) and not isinstance(value, bool),
                   bool: isinstance(value, bool),
                   str: isinstance(value, str)}[expected]
             if not ok:
                 what = {bool | None: "True, False or None (automatic)",
-                        int | None: "int or None"}.get(f.type, expected.__name__)
+                        int | None: "int or None", str | None: "a str or None"}.get(f.type, expected.__name__)
                 raise TypeError(f"{f.name} must be {what}, got {value!r}")
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path, got {type(self.model).__name__}")

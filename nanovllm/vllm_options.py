@@ -10,7 +10,6 @@ DEFAULT_ONLY = {
     "hf_token": (None, "nothing is downloaded"),
     "download_dir": (None, "nothing is downloaded"),
     "hf_overrides": (None, "config.json is read as it is"),
-    "quantization": (None, "quantized weights are not supported yet"),
     "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
     "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
     "mm_processor_kwargs": (None, "nanovllm serves text-only models"),

@@ -163,3 +163,17 @@ def make_gguf(checkpoint: str, path, chat_template: str | None = CHAT_TEMPLATE,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def edit_json(file: str, **changes) -> None:
+    """Rewrite fields of a JSON object file (a config.json, an adapter_config.json); None deletes one."""
+    import json
+    with open(file) as f:
+        data = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    with open(file, "w") as f:
+        json.dump(data, f)

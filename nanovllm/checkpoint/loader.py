@@ -164,6 +164,9 @@ def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
     return sources
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
                        require_all: bool = True):
     """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too).
@@ -187,6 +190,10 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[pname]
+        if tensor.dtype in _FP8 and param.dtype not in _FP8:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but the model's parameter is "
+                             f"{param.dtype}: an fp8 checkpoint needs its quantization_config in config.json (or a "
+                             "module its config leaves unquantized holds fp8 weights)")
         try:
             if shard_id is None:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
@@ -220,8 +227,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0):
     """Random weights for benchmarks: throughput does not depend on their values."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+        if name.endswith("norm.weight") or name.endswith("_scale") or name.endswith("_scale_inv"):
+            param.data.fill_(1.0)  # (fp8 weights' scales: the weights hold the values)
             continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.normal_(0.0, 0.02, generator=gen)
+        if param.dtype in _FP8:
+            param.data.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen))
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)

@@ -24,7 +24,7 @@ HF_CONFIG_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
     "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "eos_token_id",
-    "dtype", "torch_dtype",
+    "dtype", "torch_dtype", "quantization_config",
     # mixture of experts: the families' flags, decoder.moe_layer, tensor_parallel.check_tensor_parallel
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "n_shared_experts",

@@ -105,12 +105,23 @@ class ModelRunner:
     def _load_model(self) -> nn.Module:
         cfg = self.config
         with _default_dtype(cfg.torch_dtype), self.device, building_for(self.group):
-            model = build_model(cfg.hf_config)
+            model = self._build()
             if cfg.load_format == "dummy":
                 init_dummy_weights(model, cfg.seed)
             else:
                 load_weights(model, cfg.model)
+            if cfg.quant is not None:  # the weights as the layers compute with them (CPU: dequantized)
+                from nanovllm.quantization.fp8 import finish_loading
+                finish_loading(model)
         return model.eval()
+
+    def _build(self) -> nn.Module:
+        """The model, its quantized layers' weights made as the checkpoint holds them."""
+        model = build_model(self.config.hf_config)
+        if self.config.quant is not None:
+            from nanovllm.quantization.fp8 import quantize_model
+            quantize_model(model, self.config.quant)
+        return model
 
     def _capture_graphs(self, warm_up: bool = True):
         """Decode CUDA graphs, after a warm-up of every prefill kernel variant (they JIT here, not mid-run), the
@@ -157,7 +168,7 @@ class ModelRunner:
     def _layout_copy(self) -> nn.Module:
         """This rank's model on the meta device: same names, shards and loaders, no memory."""
         with _default_dtype(self.config.torch_dtype), torch.device("meta"), building_for(self.group):
-            return build_model(self.config.hf_config)
+            return self._build()
 
     def check_weights(self, weights: list | str, require_all: bool = False):
         """Raise ValueError/TypeError for a name or shape that does not fit (or, with require_all, a weight

@@ -51,6 +51,7 @@ class LinearBase(nn.Module):
         self.tp_size = get_tp_size()
         self.tp_group = get_tp_group()
         self.lora = None  # a LoRAStack (lora/stack.py) with enable_lora: each token's adapter update added to y
+        self.quant = None  # a quant method (quantization/fp8.py) for quantized weights: it computes x @ W^T
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -58,6 +59,12 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias): the quant method's product for quantized weights, else `linear`."""
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         full = list(param.shape)  # the unsharded shape the checkpoint holds
@@ -78,7 +85,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -88,7 +95,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // get_tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
 
@@ -131,7 +138,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None  # rank 0 alone adds it: the all-reduce adds it once
-        y = linear(x, self.weight, bias)
+        y = self.matmul(x, bias)
         if self.lora is not None:  # each rank's update from its share of x: the all-reduce sums them too
             y = self.lora.apply(x, y)
         return all_reduce(y, self.tp_group)

@@ -1,7 +1,6 @@
 """PEFT adapters for the LoRA tests, made by PEFT itself on a tiny checkpoint, and transformers + PEFT's greedy
 tokens under one (the reference). Not collected (no test_ prefix)."""
 import functools
-import json
 import os
 
 import torch
@@ -27,16 +26,8 @@ def make_adapter(base: str, path, rank: int, targets: list[str], alpha: float = 
 
 def edit_config(path: str, **changes) -> str:
     """Rewrite fields of an adapter's adapter_config.json (None deletes one)."""
-    file = os.path.join(path, "adapter_config.json")
-    with open(file) as f:
-        config = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    with open(file, "w") as f:
-        json.dump(config, f)
+    from tests.tiny_models import edit_json
+    edit_json(os.path.join(path, "adapter_config.json"), **changes)
     return path
 
 

@@ -1,0 +1,167 @@
+"""FP8 linear layers on CUDA: activations quantized on the fly, then an fp8 product with the weight's scales; up to
+SMALL_ROWS rows (small-batch decode, a read of W) w8_gemv reads the fp8 weight with 16-bit x instead.
+
+- Per-channel weight scales: x quantized per token (a scale per row), then torch._scaled_mm (cuBLASLt's fp8 GEMM)
+  with row-wise scales on both sides.
+- Block scales (a scale per output row and group of GROUP input columns): x quantized per token and group, then
+  the Triton kernel below, which adds each group's product times both scales (the DeepSeek/Qwen FP8 recipe).
+The torch references (quantization/fp8.py's dequantize) are the tests' oracles."""
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@triton.jit(do_not_specialize=["GROUP"])
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP, BLOCK: tl.constexpr):
+    """Row pid(0), group pid(1) of GROUP columns: its |max| / 448 as the scale, the values divided into fp8."""
+    row, group = tl.program_id(0), tl.program_id(1)
+    start = group * GROUP
+    end = tl.minimum(start + GROUP, K)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(start, end, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    for k0 in range(start, end, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
+    tl.store(s_ptr + row * stride_s + group, scale)
+
+
+def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in fp8, scales [M, groups] float32): per token (group None: one group per row) or per token and group."""
+    m, k = x.shape
+    group = group or k
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), group,
+                                   BLOCK=min(1024, triton.next_power_of_2(group)))
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_a, stride_b, stride_c,
+                       stride_sa, stride_sb, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE: tl.constexpr):
+    """c [M, N] = sum over K groups of (a_g @ b_g^T) * sa[:, g] * sb[:, g] (+ bias): a [M, K] and b [N, K] in fp8,
+    scales float32. BLOCK_K divides GROUP: a group's scales are read for each of its steps."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_band = SWIZZLE * grid_n  # programs that share a band of SWIZZLE row tiles (their a stays in L2)
+    band = pid // per_band
+    first_m = band * SWIZZLE
+    rows_in_band = tl.minimum(grid_m - first_m, SWIZZLE)
+    pid_m = first_m + (pid % per_band) % rows_in_band
+    pid_n = (pid % per_band) // rows_in_band
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask, nmask = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_a + k[None, :], mask=mmask[:, None] & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * stride_b + k[:, None], mask=nmask[None, :] & (k[:, None] < K), other=0.0)
+        g = k0 // GROUP
+        sa = tl.load(sa_ptr + rm * stride_sa + g, mask=mmask, other=0.0)
+        sb = tl.load(sb_ptr + rn * stride_sb + g, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None] * stride_c + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def block_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, group: int,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if not m:
+        return c
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 64 if m <= 64 else 128
+    block_k = min(group, 128)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _block_gemm_kernel[grid](a, b, c, sa, sb, bias if bias is not None else c, m, n, k, a.stride(0), b.stride(0),
+                             c.stride(0), sa.stride(0), sb.stride(0), HAS_BIAS=bias is not None, GROUP=group,
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIZZLE=8,
+                             num_warps=4 if block_m <= 64 else 8, num_stages=4 if block_m <= 64 else 3)
+    return c
+
+
+SMALL_ROWS = 16  # up to this many rows (small-batch decode) the product reads W in fp8 and x as it is (w8a16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
+                    GROUP: tl.constexpr, BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y [M, N] = x [M, K] @ (W [N, K] fp8 * scales)^T for M <= BLOCK_M: program n streams W's rows
+    [n * BLOCK_N, +BLOCK_N) once. fp8 values are exact in x's 16-bit type, so each step's product is exact up to
+    the accumulation; the scales multiply the float32 sums: per group of GROUP columns (BLOCKED, BLOCK_K = GROUP)
+    or per row at the end."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    nmask, mmask = rn < N, rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_w + k[:, None], mask=nmask[None, :] & kmask[:, None],
+                    other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        part = tl.dot(x, w.to(x.dtype))
+        if BLOCKED:
+            part *= tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=nmask, other=0.0)[None, :]
+        acc += part
+    if not BLOCKED:
+        acc *= tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M <= SMALL_ROWS, K] (16-bit) @ the fp8 weight's dequantized transpose (+ bias), x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    blocked = scale.dim() == 2
+    block_k = group if blocked else 256
+    block_n = 32 if n >= 2048 else 16
+    _w8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0), y.stride(0), GROUP=group if blocked else k, BLOCKED=blocked, HAS_BIAS=bias is not None,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequantized(weight)^T (+ bias), x's dtype out; weight fp8 [N, K]; scale [N] (per channel) or [N, groups]
+    (per `group` columns)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if 0 < x.shape[0] <= SMALL_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return w8_gemv(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
+    q, s = quantize_activations(x, group if scale.dim() == 2 else None)
+    if scale.dim() == 1:
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)
+        if bias is not None:
+            y += bias
+    else:
+        y = block_gemm(q, s, weight, scale, group, bias, x.dtype)
+    return y.reshape(*shape[:-1], weight.shape[0])

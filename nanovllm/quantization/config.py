@@ -1,0 +1,115 @@
+"""What a model's weights are quantized as: read from config.json's quantization_config (the checkpoint's own
+format) or asked for with LLM(quantization="fp8") (16/32-bit weights quantized at load). Anything else is refused
+with an error naming it."""
+import re
+from dataclasses import dataclass, field
+
+# LLM(quantization=...): None (the checkpoint's own format, if any), or a method name
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 (e4m3) weights with one float32 scale per `block` = (rows, columns) of the weight: columns None means a
+    whole row (per-channel; a per-tensor scale is a per-channel one repeated); activations quantized on the fly
+    per token (per-channel weights) or per token and group of `block[1]` columns (block-scaled weights).
+    online: the checkpoint holds 16/32-bit weights, quantized at load. ignore: module names left unquantized."""
+
+    method: str  # "fp8" or "compressed-tensors" (how the checkpoint names it)
+    block: tuple[int, int | None] = (1, None)
+    online: bool = False
+    scale_name: str = "weight_scale"  # the checkpoint's name for the scales (Qwen's block format: weight_scale_inv)
+    ignore: tuple[str, ...] = field(default=())
+
+    def quantizes(self, module_name: str) -> bool:
+        """Whether the linear layer `module_name` (a checkpoint module path) is quantized."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return False
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return False
+        return True
+
+
+def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
+    """The QuantConfig of a checkpoint (its config's quantization_config) and the quantization option; ValueError
+    for a format or option nanovllm does not implement, naming it."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATION_METHODS))}, got "
+                         f"{quantization!r}")
+    spec = getattr(hf_config, "quantization_config", None)
+    if spec is not None and not isinstance(spec, dict):
+        spec = spec.to_dict() if hasattr(spec, "to_dict") else vars(spec)
+    if not spec:
+        if quantization == "compressed-tensors":
+            raise ValueError("quantization='compressed-tensors' needs a checkpoint in that format (its config.json "
+                             "has a quantization_config); for fp8 weights from a 16/32-bit checkpoint pass "
+                             "quantization='fp8'")
+        return QuantConfig("fp8", online=True) if quantization == "fp8" else None
+    method = spec.get("quant_method")
+    if quantization is not None and quantization != method:
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} (its "
+                         "config.json's quantization_config); pass quantization=None to load it as it is")
+    if method == "fp8":
+        return _fp8(spec)
+    if method == "compressed-tensors":
+        return _compressed_tensors(spec)
+    raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does not "
+                     "support; supported: 'fp8' (e4m3 weights, dynamic activations) and 'compressed-tensors' "
+                     "(float-quantized fp8)")
+
+
+def _fp8(spec: dict) -> QuantConfig:
+    where = "quantization_config (quant_method 'fp8')"
+    if spec.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}: fmt {spec['fmt']!r} is not supported; only 'e4m3'")
+    if spec.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported (static "
+                         "activation scales); only 'dynamic'")
+    block = spec.get("weight_block_size")
+    ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
+    if block is None:  # a scale per tensor
+        return QuantConfig("fp8", ignore=ignore)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
+        raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two of at least 16 "
+                         "([128, 128] in Qwen's FP8 checkpoints)")
+    return QuantConfig("fp8", block=(block[0], block[1]), scale_name="weight_scale_inv", ignore=ignore)
+
+
+def _compressed_tensors(spec: dict) -> QuantConfig:
+    where = "quantization_config (compressed-tensors)"
+    fmt = spec.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"{where}: format {fmt!r} is not supported; only 'float-quantized' (fp8 weights)")
+    if spec.get("kv_cache_scheme"):
+        raise ValueError(f"{where}: kv_cache_scheme is not supported (use kv_cache_dtype='fp8' for an 8-bit cache)")
+    groups = spec.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}: {len(groups)} config_groups; exactly one (every Linear quantized alike) is "
+                         "supported")
+    group = next(iter(groups.values()))
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if group.get("targets", ["Linear"]) != ["Linear"]:
+        raise ValueError(f"{where}: targets {group.get('targets')!r}; only ['Linear']")
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+        raise ValueError(f"{where}: weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}; only "
+                         "8-bit float (fp8) weights are supported")
+    if not weights.get("symmetric", True) or weights.get("dynamic", False):
+        raise ValueError(f"{where}: asymmetric or dynamic weight scales are not supported")
+    strategy = weights.get("strategy")
+    if inputs is not None and (not inputs.get("dynamic", False) or (inputs.get("num_bits"), inputs.get("type"))
+                               != (8, "float")):
+        raise ValueError(f"{where}: static or non-fp8 input activation scales are not supported; only dynamic "
+                         "fp8 activations (or none)")
+    ignore = tuple(spec.get("ignore") or ())
+    if strategy in ("channel", "tensor"):
+        return QuantConfig("compressed-tensors", ignore=ignore)
+    if strategy == "block":
+        block = weights.get("block_structure")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
+            raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two of at least 16")
+        return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore)
+    raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; 'channel', 'tensor' or 'block'")

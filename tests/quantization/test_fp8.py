@@ -1,0 +1,184 @@
+"""FP8 weights on CPU (float32): checkpoints in Qwen's block-scaled format and compressed-tensors' per-channel
+format, made from a tiny random model as the formats specify, give transformers' greedy tokens on the same weights
+dequantized (exactly: the CPU path dequantizes at load, the same products in float32); quantization="fp8"
+quantizes a 16/32-bit checkpoint per channel; tensor parallelism over gloo shards weights and scales; every format
+or tensor nanovllm cannot take is refused, naming it."""
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.quantization.checkpoints import QWEN_CONFIG, edit_config, edit_tensors, make_fp8
+from tests.tiny_models import hf_greedy, make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(400) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """Wide enough for several 128x128 blocks per matrix (q: 256 x 256, gate/up: 512 x 256, down: 256 x 512) and for
+    whole blocks per rank under TP=2."""
+    return make_checkpoint(tmp_path_factory.mktemp("fp8_base"), "qwen3", tie=True, num_kv_heads=2, num_heads=4,
+                           head_dim=64, hidden=256, intermediate_size=512, seed=3)
+
+
+@pytest.fixture(scope="module", params=["qwen", "compressed-tensors"])
+def fp8_pair(request, base, tmp_path_factory) -> tuple[str, str]:
+    return make_fp8(base, tmp_path_factory.mktemp(f"fp8_{request.param}"), request.param,
+                    tmp_path_factory.mktemp(f"fp8_{request.param}_ref"))
+
+
+def test_fp8_checkpoints_give_transformers_tokens_on_their_dequantized_weights(fp8_pair, base):
+    fp8, reference = fp8_pair
+    prompts = prompts_of(0, [3, 40, 17, 90])
+    with LLM(fp8, kvcache_block_size=16, max_num_batched_tokens=64) as llm:  # (chunked prefill too)
+        assert llm.config.quant is not None
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+    # the quantization is real: the fp8 weights are not the original ones
+    assert any(hf_greedy(base, p, 16) != hf_greedy(reference, p, 16) for p in prompts)
+
+
+def test_tensor_parallel_shards_weights_and_scales(fp8_pair):
+    fp8, reference = fp8_pair
+    prompts = prompts_of(1, [5, 33])
+    with LLM(fp8, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+def test_online_fp8_quantizes_per_channel(base, tmp_path):
+    """quantization="fp8": the checkpoint's weights rounded through fp8 with a scale per output channel (the
+    compressed-tensors reference: the same recipe)."""
+    _, reference = make_fp8(base, tmp_path / "unused", "compressed-tensors", tmp_path / "reference")
+    prompts = prompts_of(2, [4, 30])
+    with LLM(base, quantization="fp8", kvcache_block_size=16) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+def test_the_bundled_model_keeps_its_answers_in_fp8(bundled):
+    questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?",
+                                                            "What is 2 + 3?", "Name a primary color.")]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    with LLM(bundled) as llm:
+        plain = [o.outputs[0].text for o in llm.chat(questions, sp, use_tqdm=False)]
+    with LLM(bundled, quantization="fp8") as llm:
+        fp8 = [o.outputs[0].text for o in llm.chat(questions, sp, use_tqdm=False)]
+    assert "Paris" in fp8[0] and "5" in fp8[1]
+    assert sum(a == b for a, b in zip(plain, fp8)) >= 2, (plain, fp8)
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_fp8(base, tmp_path_factory) -> str:
+    return make_fp8(base, tmp_path_factory.mktemp("fp8_q"), "qwen", tmp_path_factory.mktemp("fp8_q_ref"))[0]
+
+
+def _variant(source: str, path, **config) -> str:
+    shutil.copytree(source, path)
+    return edit_config(os.fspath(path), **config)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq', which nanovllm does not support"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({**QWEN_CONFIG, "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+    ({**QWEN_CONFIG, "activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
+    ({**QWEN_CONFIG, "weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\] is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+     "format 'pack-quantized' is not supported"),
+])
+def test_unsupported_formats_are_refused(qwen_fp8, tmp_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(_variant(qwen_fp8, tmp_path / "variant", quantization_config=config))
+
+
+def test_bad_quantization_options(base, qwen_fp8):
+    with pytest.raises(ValueError, match="quantization must be None or one of 'fp8', 'compressed-tensors', got 'awq'"):
+        LLM(base, quantization="awq")
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint in that format"):
+        LLM(base, quantization="compressed-tensors")
+    with pytest.raises(ValueError, match="quantization='compressed-tensors', but the checkpoint is quantized with "
+                                         "'fp8'"):
+        LLM(qwen_fp8, quantization="compressed-tensors")
+    with pytest.raises(TypeError, match="quantization must be a str or None"):
+        LLM(base, quantization=8)
+
+
+def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_fp8, tmp_path):
+    scale = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    missing = _variant(qwen_fp8, tmp_path / "missing")
+    edit_tensors(missing, drop=(scale,))
+    with pytest.raises(ValueError, match="lacks weights for: model.layers.1.mlp.down_proj.weight_scale_inv"):
+        LLM(missing)
+    misshapen = _variant(qwen_fp8, tmp_path / "misshapen")
+    edit_tensors(misshapen, replace={scale: torch.ones(3, 4)})
+    with pytest.raises(ValueError, match=rf"{scale}.*scale shape \(3, 4\) does not match the expected \(2, 4\)"):
+        LLM(misshapen)
+    bare = _variant(qwen_fp8, tmp_path / "bare", quantization_config=None)
+    with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model's parameter is torch.float32: an fp8 "
+                                         "checkpoint needs its quantization_config"):
+        LLM(bare)
+
+
+def test_moe_models_are_refused_in_fp8(tmp_path):
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, decoder_sparse_step=1)
+    with pytest.raises(ValueError, match="fp8 weights for mixture-of-experts models are not supported yet"):
+        LLM(moe, quantization="fp8")
+
+
+# ---- the CUDA kernels, through Triton's interpreter (tests/quantization/test_fp8_gpu.py compiles them) ----------
+
+def _fp8_weight(n: int, k: int, group: int | None):
+    from nanovllm.quantization.fp8 import quantize_rows
+    w = torch.randn(n, k) * 0.05
+    if group is None:
+        return quantize_rows(w)
+    blocks = w.view(n, k // group, group)
+    scale = blocks.abs().amax(-1) / 448.0
+    return (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(n, k), scale
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [None, 128])
+def test_small_batch_fp8_kernel(group):
+    """w8_gemv: 16-bit rows against the fp8 weight, scaled per channel or per 128-column group (plus a bias)."""
+    from nanovllm.kernels.fp8_gemm import w8_gemv
+    from nanovllm.quantization.fp8 import dequantize
+    torch.manual_seed(0)
+    x = torch.randn(3, 256).to(torch.float16)
+    wq, ws = _fp8_weight(80, 256, group)
+    bias = torch.randn(80).to(torch.float16)
+    y = w8_gemv(x, wq, ws, group, bias)
+    expected = x.float() @ dequantize(wq, ws, group).t() + bias.float()
+    torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.interpreter
+def test_block_scaled_fp8_gemm():
+    """block_gemm on fp8 activations (scales per token and group) and block-scaled weights."""
+    from nanovllm.kernels.fp8_gemm import block_gemm
+    from nanovllm.quantization.fp8 import dequantize
+    torch.manual_seed(1)
+    x = torch.randn(20, 256)
+    xs = x.view(20, 2, 128).abs().amax(-1) / 448.0
+    xq = (x.view(20, 2, 128) / xs[..., None]).to(torch.float8_e4m3fn).view(20, 256)
+    wq, ws = _fp8_weight(70, 256, 128)
+    y = block_gemm(xq, xs, wq, ws, 128, None, torch.float16)
+    expected = dequantize(xq, xs, 128) @ dequantize(wq, ws, 128).t()
+    torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
