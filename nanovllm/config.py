@@ -137,6 +137,9 @@ class Config:
         check_model_config(self.hf_config, self.max_model_len)
         from nanovllm.quantization import quant_config
         self.quant = quant_config(self.hf_config, self.quantization)
+        if self.quant is not None and self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError(f"fp8 weights need a GPU with fp8 support (compute capability 8.9 or later: Ada, Hopper); "
+                             f"this one is {torch.cuda.get_device_capability()}")
         if self.quant is not None and (getattr(self.hf_config, "num_experts", None)
                                        or getattr(self.hf_config, "num_local_experts", None)):
             raise ValueError("fp8 weights for mixture-of-experts models are not supported yet (the fused MoE kernel "

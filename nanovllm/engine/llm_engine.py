@@ -262,6 +262,7 @@ class LLMEngine:
         sleep(level=2) this is how they come back, and every weight must be sent)."""
         with self._exclusive("update_weights"):
             self._check_idle("update_weights")
+            self._check_not_quantized("update_weights")
             weights = _weight_pairs(weights)
             require_all = self._weights_discarded is not None  # nothing, or not all, of the old weights is left
             self.executor.runner.check_weights(weights, require_all)
@@ -279,6 +280,11 @@ class LLMEngine:
                 raise
             self._weights_discarded = None
 
+    def _check_not_quantized(self, what: str):
+        if self.config.quant is not None:
+            raise ValueError(f"{what} is not supported with quantized weights (the layers hold fp8 weights and "
+                             "scales made at load); start a new LLM with the new checkpoint, or use sleep(level=1)")
+
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory between generate calls (vLLM's levels): 1 frees the KV cache and the CUDA graphs and
         moves the weights to host memory; 2 frees the weights too (send new ones with update_weights). The prefix
@@ -288,6 +294,8 @@ class LLMEngine:
             if isinstance(level, bool) or level not in (1, 2):
                 raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights freed), got "
                                  f"{level!r}")
+            if level == 2:  # (level 2's weights come back through update_weights)
+                self._check_not_quantized("sleep(level=2)")
             if self._asleep:
                 raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self._asleep))}); call "
                                    "wake_up()")

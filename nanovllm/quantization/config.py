@@ -24,10 +24,10 @@ class QuantConfig:
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear layer `module_name` (a checkpoint module path) is quantized."""
         for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], module_name):
+            if pattern.startswith("re:"):  # (matched from the start, as compressed-tensors matches)
+                if re.match(pattern[3:], module_name):
                     return False
-            elif module_name == pattern or module_name.endswith("." + pattern):
+            elif f".{pattern}." in f".{module_name}.":  # the module, or one it is part of, by whole name segments
                 return False
         return True
 
@@ -71,18 +71,25 @@ def _fp8(spec: dict) -> QuantConfig:
     ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
     if block is None:  # a scale per tensor
         return QuantConfig("fp8", ignore=ignore)
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
-        raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two of at least 16 "
-                         "([128, 128] in Qwen's FP8 checkpoints)")
+    if not _block_ok(block):
+        raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two, the columns' at "
+                         "least 32 ([128, 128] in Qwen's FP8 checkpoints)")
     return QuantConfig("fp8", block=(block[0], block[1]), scale_name="weight_scale_inv", ignore=ignore)
+
+
+def _block_ok(block) -> bool:
+    """[rows, columns]: powers of two; columns at least 32 (the fp8 tl.dot's smallest K: kernels/fp8_gemm.py)."""
+    return (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 and b & (b - 1) == 0 for b in block)
+            and block[1] >= 32)
 
 
 def _compressed_tensors(spec: dict) -> QuantConfig:
     where = "quantization_config (compressed-tensors)"
     fmt = spec.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"{where}: format {fmt!r} is not supported; only 'float-quantized' (fp8 weights)")
+        raise ValueError(f"{where}: format {fmt!r} is not supported; only 'float-quantized' or 'naive-quantized' "
+                         "(fp8 weights)")
     if spec.get("kv_cache_scheme"):
         raise ValueError(f"{where}: kv_cache_scheme is not supported (use kv_cache_dtype='fp8' for an 8-bit cache)")
     groups = spec.get("config_groups") or {}
@@ -108,8 +115,8 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
         return QuantConfig("compressed-tensors", ignore=ignore)
     if strategy == "block":
         block = weights.get("block_structure")
-        if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or not all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
-            raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two of at least 16")
+        if not _block_ok(block):
+            raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two, the columns' "
+                             "at least 32")
         return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore)
     raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; 'channel', 'tensor' or 'block'")

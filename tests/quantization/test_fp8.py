@@ -3,6 +3,7 @@ format, made from a tiny random model as the formats specify, give transformers'
 dequantized (exactly: the CPU path dequantizes at load, the same products in float32); quantization="fp8"
 quantizes a 16/32-bit checkpoint per channel; tensor parallelism over gloo shards weights and scales; every format
 or tensor nanovllm cannot take is refused, naming it."""
+import json
 import os
 import random
 import shutil
@@ -99,6 +100,7 @@ def _variant(source: str, path, **config) -> str:
     ({**QWEN_CONFIG, "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
     ({**QWEN_CONFIG, "activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\] is not supported"),
+    ({**QWEN_CONFIG, "weight_block_size": [128, 16]}, "the columns' at least 32"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized' is not supported"),
 ])
@@ -182,3 +184,33 @@ def test_block_scaled_fp8_gemm():
     y = block_gemm(xq, xs, wq, ws, 128, None, torch.float16)
     expected = dequantize(xq, xs, 128) @ dequantize(wq, ws, 128).t()
     torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("fmt,ignore", [("qwen", ["model.layers.0.mlp"]),
+                                        ("compressed-tensors", ["lm_head", r"re:.*layers\.0\.mlp"])])
+def test_modules_the_config_leaves_unquantized(base, tmp_path, fmt, ignore):
+    """Layer 0's MLP kept in float32, named as the formats name it: a parent module (transformers'
+    modules_to_not_convert) or a regex matched from the start (compressed-tensors' ignore)."""
+    from safetensors.torch import load_file
+    fp8, reference = make_fp8(base, tmp_path / "fp8", fmt, tmp_path / "reference")
+    plain = load_file(os.path.join(reference, "model.safetensors"))
+    mlp = [name for name in load_file(os.path.join(fp8, "model.safetensors")) if "layers.0.mlp" in name]
+    edit_tensors(fp8, drop=tuple(mlp), replace={n: plain[n] for n in mlp if n.endswith(".weight")})
+    key = "modules_to_not_convert" if fmt == "qwen" else "ignore"
+    config = json.load(open(os.path.join(fp8, "config.json")))["quantization_config"]
+    edit_config(fp8, quantization_config={**config, key: ignore})
+    prompts = prompts_of(4, [6, 30])
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+def test_weight_updates_are_refused_on_fp8_weights(qwen_fp8):
+    with LLM(qwen_fp8, kvcache_block_size=16) as llm:
+        before = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
+        with pytest.raises(ValueError, match="update_weights is not supported with quantized weights"):
+            llm.update_weights(qwen_fp8)
+        with pytest.raises(ValueError, match=r"sleep\(level=2\) is not supported with quantized weights"):
+            llm.sleep(level=2)
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"] == before
