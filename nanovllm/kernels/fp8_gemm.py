@@ -1,5 +1,6 @@
 """FP8 linear layers on CUDA: activations quantized on the fly, then an fp8 product with the weight's scales; up to
-SMALL_ROWS rows (small-batch decode, a read of W) w8_gemv reads the fp8 weight with 16-bit x instead.
+SMALL_ROWS rows (small-batch decode, a read of W), and for weight-only checkpoints at any size, w8a16 reads the fp8
+weight against x as it is instead.
 
 - Per-channel weight scales: x quantized per token (a scale per row), then torch._scaled_mm (cuBLASLt's fp8 GEMM)
   with row-wise scales on both sides.
@@ -102,15 +103,15 @@ SMALL_ROWS = 16  # up to this many rows (small-batch decode) the product reads W
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
-                    GROUP: tl.constexpr, BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y [M, N] = x [M, K] @ (W [N, K] fp8 * scales)^T for M <= BLOCK_M: program n streams W's rows
-    [n * BLOCK_N, +BLOCK_N) once. fp8 values are exact in x's 16-bit type, so each step's product is exact up to
-    the accumulation; the scales multiply the float32 sums: per group of GROUP columns (BLOCKED, BLOCK_K = GROUP)
-    or per row at the end."""
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
+                  GROUP: tl.constexpr, BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y [M, N] = x [M, K] @ (W [N, K] fp8 * scales)^T: program (n, m) streams W's rows [n * BLOCK_N, +BLOCK_N)
+    against x's rows [m * BLOCK_M, +BLOCK_M) (decode: one row tile, W read once). fp8 values are exact in x's
+    type, so each step's product is exact up to the accumulation; the scales multiply the float32 sums: per group
+    of GROUP columns (BLOCKED, BLOCK_K = GROUP) or per row at the end."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask, mmask = rn < N, rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -119,7 +120,10 @@ def _w8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_w + k[:, None], mask=nmask[None, :] & kmask[:, None],
                     other=0.0)
         x = tl.load(x_ptr + rm[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        part = tl.dot(x, w.to(x.dtype))
+        if IEEE:
+            part = tl.dot(x, w.to(x.dtype), input_precision="ieee")
+        else:
+            part = tl.dot(x, w.to(x.dtype))
         if BLOCKED:
             part *= tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=nmask, other=0.0)[None, :]
         acc += part
@@ -131,32 +135,38 @@ def _w8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride
              mask=mmask[:, None] & nmask[None, :])
 
 
-def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
-            bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M <= SMALL_ROWS, K] (16-bit) @ the fp8 weight's dequantized transpose (+ bias), x's dtype."""
+def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ the fp8 weight's dequantized transpose (+ bias), x's dtype, x unquantized."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not m:
+        return y
     blocked = scale.dim() == 2
-    block_k = group if blocked else 256
-    block_n = 32 if n >= 2048 else 16
-    _w8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    small = m <= SMALL_ROWS
+    block_n = (32 if n >= 2048 else 16) if small else 64
+    block_m = 16 if small else 64
+    _w8a16_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         scale.stride(0), y.stride(0), GROUP=group if blocked else k, BLOCKED=blocked, HAS_BIAS=bias is not None,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=group if blocked else (256 if small else 128),
+        num_warps=4, num_stages=4 if small else 3)
     return y
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, activations: bool = True) -> torch.Tensor:
     """x @ dequantized(weight)^T (+ bias), x's dtype out; weight fp8 [N, K]; scale [N] (per channel) or [N, groups]
-    (per `group` columns)."""
+    (per `group` columns). activations: x may be quantized to fp8 (a checkpoint with dynamic fp8 activations);
+    False keeps it as it is (weight-only checkpoints)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if 0 < x.shape[0] <= SMALL_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-        return w8_gemv(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
+    if not activations or (x.shape[0] <= SMALL_ROWS and x.dtype in (torch.bfloat16, torch.float16)):
+        return w8a16(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
     q, s = quantize_activations(x, group if scale.dim() == 2 else None)
     if scale.dim() == 1:
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)

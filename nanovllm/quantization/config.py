@@ -12,14 +12,16 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
 class QuantConfig:
     """FP8 (e4m3) weights with one float32 scale per `block` = (rows, columns) of the weight: columns None means a
     whole row (per-channel; a per-tensor scale is a per-channel one repeated); activations quantized on the fly
-    per token (per-channel weights) or per token and group of `block[1]` columns (block-scaled weights).
-    online: the checkpoint holds 16/32-bit weights, quantized at load. ignore: module names left unquantized."""
+    per token (per-channel weights) or per token and group of `block[1]` columns (block-scaled weights), unless
+    `activations` is False (a weight-only checkpoint). online: the checkpoint holds 16/32-bit weights, quantized at
+    load. ignore: module names left unquantized."""
 
     method: str  # "fp8" or "compressed-tensors" (how the checkpoint names it)
     block: tuple[int, int | None] = (1, None)
     online: bool = False
     scale_name: str = "weight_scale"  # the checkpoint's name for the scales (Qwen's block format: weight_scale_inv)
     ignore: tuple[str, ...] = field(default=())
+    activations: bool = True  # dynamic fp8 activations (False: 16-bit activations against fp8 weights)
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear layer `module_name` (a checkpoint module path) is quantized."""
@@ -110,13 +112,13 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
                                != (8, "float")):
         raise ValueError(f"{where}: static or non-fp8 input activation scales are not supported; only dynamic "
                          "fp8 activations (or none)")
-    ignore = tuple(spec.get("ignore") or ())
+    ignore, activations = tuple(spec.get("ignore") or ()), inputs is not None
     if strategy in ("channel", "tensor"):
-        return QuantConfig("compressed-tensors", ignore=ignore)
+        return QuantConfig("compressed-tensors", ignore=ignore, activations=activations)
     if strategy == "block":
         block = weights.get("block_structure")
         if not _block_ok(block):
             raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two, the columns' "
                              "at least 32")
-        return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore)
+        return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore, activations=activations)
     raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; 'channel', 'tensor' or 'block'")

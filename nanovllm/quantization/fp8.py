@@ -104,7 +104,7 @@ class Fp8Linear:
     # ---- the product --------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from nanovllm.kernels.fp8_gemm import fp8_linear
-        return fp8_linear(x, layer.weight, self.scale, self.group, bias)
+        return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations)
 
 
 def _full_rows(layer: nn.Module, param: nn.Parameter, shard_id) -> int:

@@ -109,6 +109,22 @@ def test_unsupported_formats_are_refused(qwen_fp8, tmp_path, config, message):
         LLM(_variant(qwen_fp8, tmp_path / "variant", quantization_config=config))
 
 
+def test_what_the_configs_say_about_activations():
+    """Dynamic fp8 activations where the format has them; none for a weight-only compressed-tensors checkpoint
+    (its activations stay 16-bit against the fp8 weights on CUDA)."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    from tests.quantization.checkpoints import CT_CONFIG
+    weight_only = {**CT_CONFIG, "config_groups": {"group_0": {**CT_CONFIG["config_groups"]["group_0"],
+                                                              "input_activations": None}}}
+    assert quant_config(SimpleNamespace(quantization_config=CT_CONFIG), None).activations
+    assert not quant_config(SimpleNamespace(quantization_config=weight_only), None).activations
+    assert quant_config(SimpleNamespace(quantization_config=QWEN_CONFIG), None).block == (128, 128)
+    online = quant_config(SimpleNamespace(), "fp8")
+    assert online.online and online.activations and online.block == (1, None)
+
+
 def test_bad_quantization_options(base, qwen_fp8):
     with pytest.raises(ValueError, match="quantization must be None or one of 'fp8', 'compressed-tensors', got 'awq'"):
         LLM(base, quantization="awq")
@@ -158,15 +174,17 @@ def _fp8_weight(n: int, k: int, group: int | None):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("group", [None, 128])
-def test_small_batch_fp8_kernel(group):
-    """w8_gemv: 16-bit rows against the fp8 weight, scaled per channel or per 128-column group (plus a bias)."""
-    from nanovllm.kernels.fp8_gemm import w8_gemv
+@pytest.mark.parametrize("rows", [3, 70])
+def test_w8a16_fp8_kernel(group, rows):
+    """w8a16: 16-bit rows against the fp8 weight, scaled per channel or per 128-column group (plus a bias); one row
+    tile (small-batch decode) and several (weight-only checkpoints)."""
+    from nanovllm.kernels.fp8_gemm import w8a16
     from nanovllm.quantization.fp8 import dequantize
     torch.manual_seed(0)
-    x = torch.randn(3, 256).to(torch.float16)
+    x = torch.randn(rows, 256).to(torch.float16)
     wq, ws = _fp8_weight(80, 256, group)
     bias = torch.randn(80).to(torch.float16)
-    y = w8_gemv(x, wq, ws, group, bias)
+    y = w8a16(x, wq, ws, group, bias)
     expected = x.float() @ dequantize(wq, ws, group).t() + bias.float()
     torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
 

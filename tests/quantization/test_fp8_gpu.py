@@ -44,7 +44,7 @@ def test_fp8_linear_against_float32(m, group):
     xs = s[:, :, None].expand(-1, -1, group or k).reshape(m, k)
     torch.testing.assert_close(q.float() * xs, x.float(), atol=1e-3, rtol=0.07)
     y = fp8_linear(x, wq, ws, group, bias)
-    if m <= 16:  # (small batches: w8_gemv, x unquantized against the fp8 weight)
+    if m <= 16:  # (small batches: w8a16, x unquantized against the fp8 weight)
         ones = torch.ones(m, 1, device="cuda")
         expected = _reference(x, ones, wq, ws, group) + bias.float()
     else:
