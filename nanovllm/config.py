@@ -140,10 +140,6 @@ class Config:
         if self.quant is not None and self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"fp8 weights need a GPU with fp8 support (compute capability 8.9 or later: Ada, Hopper); "
                              f"this one is {torch.cuda.get_device_capability()}")
-        if self.quant is not None and (getattr(self.hf_config, "num_experts", None)
-                                       or getattr(self.hf_config, "num_local_experts", None)):
-            raise ValueError("fp8 weights for mixture-of-experts models are not supported yet (the fused MoE kernel "
-                             "takes 16-bit experts); load a 16-bit checkpoint without quantization")
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype]

@@ -9,6 +9,9 @@ groups too, so its per-rank input width must be a whole number of groups.
 On CPU the weights are dequantized to float32 once loaded (the engine then runs the plain layer: the format logic is
 what the CPU tests check); on CUDA they stay fp8 and `apply` quantizes activations on the fly (per token, or per
 token and group for block scales) for an fp8 product (kernels/fp8_gemm.py)."""
+import re
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -139,6 +142,47 @@ def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:
         if sources:
             names[name] = [f"{parent}.{s}" if parent else s for s in sources]
     return names
+
+
+_EXPERT = re.compile(r"(.*\.experts\.\d+\.\w+)\.(weight\w*)")
+
+
+def dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]], config: QuantConfig,
+                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each MoE expert's fp8 weight and scale turned into one `dtype` weight: the fused
+    MoE kernel takes 16-bit experts (the other layers keep fp8). ValueError naming an expert weight without its
+    scale, or a scale of the wrong shape."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = _EXPERT.fullmatch(name)
+        if match is None or (match[2] == "weight" and tensor.dtype != FP8):
+            yield name, tensor
+            continue
+        parts = pending.setdefault(match[1], {})
+        parts[match[2]] = tensor
+        if "weight" in parts and config.scale_name in parts:
+            del pending[match[1]]
+            yield f"{match[1]}.weight", _dequantize_expert(match[1], parts["weight"], parts[config.scale_name],
+                                                           config).to(dtype)
+    for module, parts in pending.items():
+        missing = "weight" if "weight" not in parts else config.scale_name
+        raise ValueError(f"checkpoint lacks {module}.{missing} (an fp8 expert weight needs its scale)")
+
+
+def _dequantize_expert(module: str, weight: torch.Tensor, scale: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    n, k = weight.shape
+    rows, cols = config.block
+    scale = scale.float()
+    if cols is None:
+        if scale.numel() not in (1, n):
+            raise ValueError(f"checkpoint tensor {module}.{config.scale_name}: shape {tuple(scale.shape)}, expected "
+                             f"({n}, 1)")
+        return weight.float() * scale.reshape(-1, 1)
+    expected = (-(-n // rows), -(-k // cols))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"checkpoint tensor {module}.{config.scale_name}: shape {tuple(scale.shape)}, expected "
+                         f"{expected} (one per {rows}x{cols} block)")
+    return weight.float() * scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
 
 
 def finish_loading(model: nn.Module):

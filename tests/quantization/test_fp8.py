@@ -153,11 +153,23 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
         LLM(bare)
 
 
-def test_moe_models_are_refused_in_fp8(tmp_path):
-    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=32, decoder_sparse_step=1)
-    with pytest.raises(ValueError, match="fp8 weights for mixture-of-experts models are not supported yet"):
-        LLM(moe, quantization="fp8")
+@pytest.mark.parametrize("fmt", ["qwen", "compressed-tensors"])
+def test_moe_checkpoints_in_fp8(tmp_path, fmt):
+    """Qwen3-MoE in fp8 (experts too, as Qwen3-30B-A3B-FP8): attention layers stay fp8, each expert is dequantized
+    as it is read (the fused MoE kernel takes 16-bit experts); transformers' tokens on the dequantized weights. An
+    expert without its scale is refused, named."""
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                          head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=5)  # (several blocks)
+    fp8, reference = make_fp8(moe, tmp_path / "fp8", fmt, tmp_path / "reference")
+    prompts = prompts_of(5, [4, 33])
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+    scale = "weight_scale_inv" if fmt == "qwen" else "weight_scale"
+    edit_tensors(fp8, drop=(f"model.layers.1.mlp.experts.2.up_proj.{scale}",))
+    with pytest.raises(ValueError, match=f"lacks model.layers.1.mlp.experts.2.up_proj.{scale}"):
+        LLM(fp8)
 
 
 # ---- the CUDA kernels, through Triton's interpreter (tests/quantization/test_fp8_gpu.py compiles them) ----------
