@@ -53,12 +53,16 @@ class Scheduler:
         if self.lora is not None and self.lora.stale:
             self._reload_lora_slots(loads)
         budget = self.max_num_batched_tokens
+        skipped: list[Sequence] = []  # requests whose adapter has no free slot: those behind them go first (vLLM's)
         # Prefill: admit waiting sequences; the one at the head may be mid-way through a chunked prefill.
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
-                if not self._can_admit(seq) or (seq.lora_id and not self._take_lora_slot(seq, scheduled, loads)):
-                    break  # (an adapter without a free slot waits, as a prompt without free blocks does)
+                if not self._can_admit(seq):
+                    break
+                if seq.lora_id and not self._take_lora_slot(seq, scheduled, loads):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 self.block_manager.allocate(seq)
                 if seq.num_prefix_hit_tokens < 0:
                     seq.num_prefix_hit_tokens = seq.num_cached_tokens
@@ -84,6 +88,11 @@ class Scheduler:
                 self.running.append(child)
                 forks.append((child, len(scheduled) - 1))
             seq.forks = []
+        # the skipped keep their places at the front (after a prompt this step left half prefilled, which must stay
+        # first: its slot is counted as in use only while it is)
+        at = 1 if self.waiting and self.waiting[0].block_table else 0
+        for seq in reversed(skipped):
+            self.waiting.insert(at, seq)
         if scheduled:
             out_index = [seq.num_tokens if seq.samples_this_step else -1 for seq in scheduled]
             out_index += [child.num_tokens for child, _ in forks]

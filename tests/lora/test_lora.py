@@ -178,3 +178,19 @@ def test_after_a_failed_step_the_running_adapters_are_loaded_again(qwen3_tied, l
                 llm.step()
         assert not batches[0].is_prefill and [slot for slot, _ in batches[0].lora_loads] == [0]
         assert batches[0].lora_loads[0][1].request == lora_attention
+
+
+def test_requests_behind_one_waiting_for_a_slot_go_first(qwen3_tied, lora_attention, lora_mixed):
+    """max_loras=1: the second adapter's request waits for the slot, and the base-model requests behind it are
+    admitted meanwhile (vLLM skips such a request too); then everything finishes with the right tokens."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16) as llm:
+        prompts = prompts_of(15, [10, 12, 14, 16])
+        loras = [lora_attention, lora_mixed, None, None]
+        seqs = [llm.add_request(p, GREEDY, lora_request=lora) for p, lora in zip(prompts, loras)]
+        llm.step()
+        assert list(llm.scheduler.waiting) == [seqs[1]]
+        assert all(seq in llm.scheduler.running for seq in (seqs[0], seqs[2], seqs[3]))
+        while not llm.is_finished():
+            llm.step()
+        for seq, prompt, lora in zip(seqs, prompts, loras):
+            assert seq.completion_token_ids == expected(qwen3_tied, prompt, lora)
