@@ -7,8 +7,10 @@ shard scales exactly as they shard weights, whatever the sizes. Tensor paralleli
 groups too, so its per-rank input width must be a whole number of groups.
 
 On CPU the weights are dequantized to float32 once loaded (the engine then runs the plain layer: the format logic is
-what the CPU tests check); on CUDA they stay fp8 and `apply` quantizes activations on the fly (per token, or per
-token and group for block scales) for an fp8 product (kernels/fp8_gemm.py)."""
+what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
+quantized on the fly (per token, or per token and group for block scales) for an fp8 GEMM, or left 16-bit against
+the fp8 weight for small batches and weight-only checkpoints. MoE experts are dequantized as they are read
+(dequantize_experts): the fused MoE kernel takes 16-bit experts."""
 import re
 from collections.abc import Iterable, Iterator
 
