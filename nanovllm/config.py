@@ -162,9 +162,6 @@ class Config:
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): the host "
                              "keeps at least the adapters on the device")
-        if self.enable_lora and self.data_parallel_size > 1:
-            raise ValueError("enable_lora with data_parallel_size > 1 is not supported yet: run one engine per "
-                             "process, or tensor_parallel_size")
 
     def _check_types(self):
         for f in fields(self):

@@ -39,7 +39,8 @@ logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
 FINAL = ("result", "done", "value", "raise")  # a replica's last message of a call
 # the engine methods the front runs on every replica (the weight and memory calls of RL loops)
-REPLICA_METHODS = ("update_weights", "sleep", "wake_up", "collective_rpc", "reset_prefix_cache")
+REPLICA_METHODS = ("update_weights", "sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "add_lora",
+                   "remove_lora")
 
 
 class ReplicaError(RuntimeError):
@@ -152,10 +153,10 @@ class Replica:
                     return
                 send((call, "value", value))
                 return
-            prompts, params = payload
+            prompts, params, loras = payload
             start = time.perf_counter()
             with llm._exclusive(kind):
-                requests = llm._make_requests(prompts, params, stream=kind == "stream")
+                requests = llm._make_requests(prompts, params, kind == "stream", loras)
                 deltas = StreamDeltas(llm, requests) if kind == "stream" else None
                 run = llm._run(requests, use_tqdm=False)
                 try:
@@ -238,6 +239,10 @@ class DataParallelLLM(Frontend):
         self._request_ids = itertools.count()  # RequestOutput.request_id, across the replicas
         self._open: dict[int, int] = {}  # replica -> the call it is still on (until its final message is read)
         self._grammars = None  # structured outputs: a compiler, to refuse a bad spec here
+        self.lora = None  # enable_lora: the adapters the replicas know, each checked here first (as one engine does)
+        if config.enable_lora:
+            from nanovllm.lora.manager import LoRAManager
+            self.lora = LoRAManager(config)
         self._asleep: set[str] = set()  # as one engine keeps them (LLMEngine), for every replica at once
         self._weights_discarded: str | None = None
         self.last_stats: list[dict] = []  # per replica, of the last generate: requests, output tokens, seconds
@@ -355,26 +360,36 @@ class DataParallelLLM(Frontend):
                                              self.config.eos_token_ids)
         return self._grammars.compile(spec)
 
-    def _check_requests(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams]]:
-        """Every request checked as one engine checks it (ValueError/TypeError before any replica works)."""
+    def _check_requests(self, prompts, sampling_params, lora_request=None) -> list[tuple]:
+        """Every request checked as one engine checks it, its adapter too (ValueError/TypeError before any replica
+        works): (token ids, SamplingParams, LoRARequest or None) each."""
         self._check_alive()
         if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
-        prompts, params, _ = as_request_lists(
-            prompts, self.default_sampling_params if sampling_params is None else sampling_params)
-        return [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
+        prompts, params, loras = as_request_lists(
+            prompts, self.default_sampling_params if sampling_params is None else sampling_params, lora_request)
+        checked = [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
+        if any(lora is not None for lora in loras):
+            if self.lora is None:
+                raise ValueError("lora_request given, but LoRA is not enabled: create the LLM with enable_lora=True "
+                                 "(and max_loras, max_lora_rank as needed), or pass lora_request=None")
+            self.lora.register(loras)
+        return [(ids, sp, lora) for (ids, sp), lora in zip(checked, loras)]
 
-    def _dispatch(self, kind: str, checked: list[tuple[list[int], SamplingParams]]) -> tuple[int, list[list[int]]]:
-        """Route checked requests, send each replica its share; returns the call's id and the shares."""
+    def _dispatch(self, kind: str, checked: list[tuple]) -> tuple[int, list[list[int]]]:
+        """Route checked requests, send each replica its share; returns the call's id and the shares. Requests that
+        share a first block under one adapter (or the base model) go to one replica, where its prefix cache serves
+        them."""
         self._check_alive()
         block = self.config.kvcache_block_size
         keys, tokens = [], []
-        for i, (ids, sp) in enumerate(checked):
-            keys.append(hash(tuple(ids[:block]) if len(ids) > block else ("alone", i)))
+        for i, (ids, sp, lora) in enumerate(checked):
+            adapter = lora.lora_int_id if lora is not None else 0
+            keys.append(hash((adapter, tuple(ids[:block])) if len(ids) > block else ("alone", i)))
             tokens.append(len(ids) + sp.n * sp.max_tokens)
         shares = route(tokens, keys, self.num_replicas)
-        payloads = {rank: ([checked[i][0] for i in share], [checked[i][1] for i in share])
+        payloads = {rank: tuple([checked[i][part] for i in share] for part in range(3))
                     for rank, share in enumerate(shares) if share}
         return self._start(kind, payloads), shares
 
@@ -384,15 +399,12 @@ class DataParallelLLM(Frontend):
                  priority=None):
         """As LLM.generate: one RequestOutput per prompt, in input order (or, with stream=True, an iterator of
         deltas)."""
-        if any(r is not None for r in (lora_request if isinstance(lora_request, (list, tuple)) else [lora_request])):
-            raise ValueError("lora_request is not supported with data_parallel_size > 1 (LoRA needs one engine: "
-                             "data_parallel_size=1 with enable_lora=True); pass None")
         prompts = call_prompts(prompts, prompt_token_ids, priority)
         if stream:
-            return self.stream(prompts, sampling_params, use_tqdm=use_tqdm)
+            return self.stream(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         self._check_alive()
         with self._exclusive("generate"):
-            call, shares = self._dispatch("generate", self._check_requests(prompts, sampling_params))
+            call, shares = self._dispatch("generate", self._check_requests(prompts, sampling_params, lora_request))
             try:
                 results, stats = [None] * sum(map(len, shares)), []
                 for rank, message in self._messages(call):
@@ -411,12 +423,12 @@ class DataParallelLLM(Frontend):
             return results
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-               use_tqdm: bool = False) -> Iterator[dict]:
+               use_tqdm: bool = False, lora_request=None) -> Iterator[dict]:
         """As LLM.stream: deltas from every replica as they come, "index" being the prompt's position in the call.
         Requests are checked here; the stream holds the engine from its first item until exhausted or closed."""
-        return self._stream(self._check_requests(prompts, sampling_params))
+        return self._stream(self._check_requests(prompts, sampling_params, lora_request))
 
-    def _stream(self, checked: list[tuple[list[int], SamplingParams]]) -> Iterator[dict]:
+    def _stream(self, checked: list[tuple]) -> Iterator[dict]:
         with self._exclusive("stream"):
             call, shares = self._dispatch("stream", checked)
             try:
@@ -451,6 +463,31 @@ class DataParallelLLM(Frontend):
 
     def _check_awake(self):
         check_awake(self._asleep, self._weights_discarded)
+
+    # ---- LoRA adapters: checked here, known to every replica --------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """As LLMEngine.add_lora: checked here, then added on every replica."""
+        if lora_request is None:
+            raise TypeError("add_lora needs a LoRARequest, got None")
+        if self.lora is None:
+            raise ValueError("add_lora needs LoRA enabled: create the LLM with enable_lora=True")
+        self.lora.register([lora_request])
+        _, error = self._on_every_replica("add_lora", "add_lora", lora_request)
+        if error is not None:
+            raise error
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """As LLMEngine.remove_lora, on every replica."""
+        if self.lora is None or not self.lora.remove(lora_id):
+            return False
+        _, error = self._on_every_replica("remove_lora", "remove_lora", lora_id)
+        if error is not None:
+            raise error
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.adapters) if self.lora is not None else set()
 
     def update_weights(self, weights) -> None:
         """As LLMEngine.update_weights, on every replica: the pairs are checked here, then each replica checks names

@@ -368,3 +368,32 @@ def test_weights_sleep_and_rpc_on_every_replica(chat_model, qwen3_b, deadline):
         llm.update_weights(state)
         llm.wake_up()
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o["token_ids"] for o in outs]
+
+
+def test_lora_through_replicas(qwen3_tied, lora_attention, lora_mixed, tmp_path, deadline):
+    """enable_lora with data_parallel_size=2: the base model and two adapters in one call give transformers +
+    PEFT's tokens, in input order; a bad adapter is refused before any replica works, and the replicas serve on;
+    add_lora / remove_lora / list_loras reach every replica."""
+    from nanovllm import LoRARequest
+    from tests.lora.adapters import peft_greedy
+    from tests.tiny_models import hf_greedy
+    prompts = _prompts(21, 6)
+    loras = [None, lora_attention, lora_mixed, lora_mixed, None, lora_attention]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(qwen3_tied, data_parallel_size=2, enable_lora=True, max_loras=2, **OPTIONS) as llm:
+        outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+        for prompt, lora, out in zip(prompts, loras, outs):
+            want = hf_greedy(qwen3_tied, prompt, 8) if lora is None else peft_greedy(qwen3_tied, lora.lora_path,
+                                                                                     prompt, 8)
+            assert out.outputs[0].token_ids == want and out.lora_request == lora
+        streamed = [t for item in llm.generate(prompts[1:2], sp, stream=True, lora_request=lora_attention)
+                    for t in item["token_ids"]]
+        assert streamed == outs[1].outputs[0].token_ids
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            llm.generate(prompts[:2], sp, lora_request=[lora_mixed, LoRARequest("bad", 9, str(tmp_path))],
+                         use_tqdm=False)
+        assert llm.list_loras() == {1, 2}
+        assert llm.remove_lora(2) and llm.list_loras() == {1} and not llm.remove_lora(2)
+        assert llm.add_lora(lora_mixed) and llm.list_loras() == {1, 2}
+        again = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]

@@ -126,7 +126,6 @@ def test_bad_lora_requests(kwargs, message):
     (dict(max_loras=3, max_cpu_loras=2), ValueError, r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
     (dict(max_loras="2"), TypeError, "max_loras must be int"),
     (dict(max_cpu_loras=1.5), TypeError, "max_cpu_loras must be int or None"),
-    (dict(data_parallel_size=2), ValueError, "enable_lora with data_parallel_size > 1 is not supported"),
 ])
 def test_bad_lora_options(qwen3_tied, kwargs, error, message):
     with pytest.raises(error, match=message):
