@@ -192,8 +192,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         param = params[pname]
         if tensor.dtype in _FP8 and param.dtype not in _FP8:
             raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but the model's parameter is "
-                             f"{param.dtype}: an fp8 checkpoint needs its quantization_config in config.json (or a "
-                             "module its config leaves unquantized holds fp8 weights)")
+                             f"{param.dtype}: an fp8 checkpoint needs its quantization_config in config.json; with "
+                             "one, this module is one nanovllm keeps 16-bit (the embedding, the LM head, MoE routers) "
+                             "or one its ignore list names")
         try:
             if shard_id is None:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
