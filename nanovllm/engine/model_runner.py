@@ -268,7 +268,7 @@ class ModelRunner:
         # each sequence's last new token: the only position whose logits are sampled (forks sample their parent's)
         last = [n - 1 for n in cu_seqlens_q[1:]]
         context.logits_indices = self._to_device(last + [last[row] for _, row in batch.forks], torch.int64)
-        if any(seq.lora_slot >= 0 for seq in seqs):  # each token's adapter
+        if self.lora is not None and any(seq.lora_slot >= 0 for seq in seqs):  # each token's adapter
             counts = [end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])]
             context.lora_slots, context.lora_order = to_device_packed(
                 self._to_device, step_slots([seq.lora_slot for seq in seqs], counts), torch.int32)
@@ -287,8 +287,9 @@ class ModelRunner:
             positions.append(len(seq) - 1)
             context_lens.append(len(seq))
             slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
-        lora = step_slots([seq.lora_slot for seq in seqs], [1] * len(seqs)) \
-            if any(seq.lora_slot >= 0 for seq in seqs) else None
+        lora = None  # (without enable_lora a step never walks its sequences for adapters)
+        if self.lora is not None and any(seq.lora_slot >= 0 for seq in seqs):
+            lora = step_slots([seq.lora_slot for seq in seqs], [1] * len(seqs))
         if self.graphs is not None and self.graphs.can_run(len(seqs)):  # straight into the graphs' buffers
             input_ids, positions, context, rows = self.graphs.stage(input_ids, positions, rows, slot_mapping,
                                                                     context_lens, self._padded_tables(seqs), lora)

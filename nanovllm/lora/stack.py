@@ -97,7 +97,7 @@ class LoRAWeights:
 
     def __init__(self, model: nn.Module, config):
         from nanovllm.models.decoder import DecoderAttention, DecoderMLP
-        self.hf_config, self.max_rank = config.hf_config, config.max_lora_rank
+        self.max_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for i, layer in enumerate(model.model.layers):
