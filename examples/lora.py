@@ -62,6 +62,11 @@ def peft_tokens(model: str, adapter: str, prompt: list[int], max_tokens: int) ->
 
 
 def main():
+    try:
+        import peft  # noqa: F401  (the demo adapters and the check against transformers + PEFT)
+    except ImportError:
+        raise SystemExit("examples/lora.py makes its demo adapters and checks their tokens with PEFT: "
+                         "pip install peft") from None
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="the base model (default: the bundled SmolLM2-135M)")
     p.add_argument("--adapter", action="append", default=[], help="a PEFT adapter directory (repeatable)")
