@@ -1,6 +1,7 @@
 """Where one engine step's GPU time goes, kernel by kernel (torch.profiler; kernels inside CUDA graphs included).
 
     python benchmarks/profile_step.py --cases decode:256:100-1024 decode:1:512 prefill:8:2048 [--kv-cache-dtype fp8]
+        [--quantization fp8]
 
 decode:B:LO-HI: B prompts of random token ids, lengths uniform in LO-HI, are prefilled, `--warm` decode steps run,
 then `--steps` decode steps are profiled. prefill:B:LEN: the prefill steps of B prompts of LEN tokens (max_tokens 1).
@@ -134,6 +135,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="fp8: the weights in fp8 (quantized at load)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's GPU is profiled)")
@@ -142,8 +144,10 @@ def main():
     args = p.parse_args()
     t = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
-    print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}, tp={args.tp}")
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling,
+              quantization=args.quantization)
+    print(f"engine start {time.perf_counter() - t:.1f}s, kv_cache_dtype={args.kv_cache_dtype}, tp={args.tp}, "
+          f"quantization={args.quantization}")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     for case in args.cases:
         run_case(llm, case, args.warm, args.steps, args.top, args.critical)

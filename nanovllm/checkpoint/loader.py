@@ -140,16 +140,28 @@ def route_weight(name: str, packed: dict) -> tuple[str, object | None]:
 def route_expert_weight(name: str, experts: dict) -> tuple[str, tuple[int, int]] | None:
     """(stacked parameter name, (expert, shard)) for one expert's projection, or None for any other tensor.
     {"gate_proj": ("gate_up_proj", 0)} routes `layers.0.mlp.experts.3.gate_proj.weight` into shard (3, 0) of
-    `layers.0.mlp.experts.gate_up_proj`: the module path must end in `experts.<number>.<projection>`."""
+    `layers.0.mlp.experts.gate_up_proj`: the module path must end in `experts.<number>.<projection>`. Another
+    tensor of the projection (an fp8 weight's scale) goes to the stacked parameter named with its leaf:
+    `...gate_proj.weight_scale` into `experts.gate_up_proj_weight_scale`."""
     module, _, leaf = name.rpartition(".")
     segments = module.split(".")
-    if leaf != "weight" or len(segments) < 3:
+    if len(segments) < 3:
         return None
     *parent, container, expert, proj = segments
     if container != "experts" or not expert.isdigit() or proj not in experts:
         return None
     dst, shard = experts[proj]
-    return ".".join(parent + [container, dst]), (int(expert), shard)
+    return ".".join(parent + [container, dst if leaf == "weight" else f"{dst}_{leaf}"]), (int(expert), shard)
+
+
+def _expert_source(pname: str, experts: dict, expert: int, shard: int) -> str:
+    """The checkpoint tensor routed into shard (expert, shard) of stacked parameter `pname` (route_expert_weight's
+    inverse), for errors."""
+    module, _, dst = pname.rpartition(".")
+    for proj, (stacked, s) in experts.items():
+        if s == shard and (dst == stacked or dst.startswith(stacked + "_")):
+            return f"{module}.{expert}.{proj}.{dst[len(stacked) + 1:] or 'weight'}"
+    return f"{pname} (expert {expert}, shard {shard})"
 
 
 def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
@@ -211,7 +223,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         shard_ids = getattr(param, "shard_ids", None)  # stacked experts: loaded whole, or every expert's shards
         if shard_ids is not None:
             if pname not in loaded:
-                missing += [f"{pname} (expert {e}, shard {s})" for e, s in shard_ids if (pname, (e, s)) not in loaded]
+                missing += [_expert_source(pname, experts, e, s) for e, s in shard_ids if (pname, (e, s)) not in loaded]
         elif sources:
             missing += [name for name, shard_id in sources if (pname, shard_id) not in loaded]
         elif pname not in loaded:

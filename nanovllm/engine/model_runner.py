@@ -108,10 +108,6 @@ class ModelRunner:
             model = self._build()
             if cfg.load_format == "dummy":
                 init_dummy_weights(model, cfg.seed)
-            elif cfg.quant is not None:  # (MoE experts: dequantized as they are read)
-                from nanovllm.quantization.fp8 import dequantize_experts
-                load_named_weights(model, dequantize_experts(iter_weights(cfg.model), cfg.quant, cfg.torch_dtype),
-                                   cfg.model)
             else:
                 load_weights(model, cfg.model)
             if cfg.quant is not None:  # the weights as the layers compute with them (CPU: dequantized)

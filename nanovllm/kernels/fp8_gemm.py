@@ -1,6 +1,8 @@
-"""FP8 linear layers on CUDA: activations quantized on the fly, then an fp8 product with the weight's scales; up to
-SMALL_ROWS rows (small-batch decode, a read of W), and for weight-only checkpoints at any size, w8a16 reads the fp8
-weight against x as it is instead.
+"""FP8 linear layers on CUDA: activations quantized on the fly, then an fp8 product with the weight's scales. Small
+batches read the fp8 weight against x as it is: one 16-bit row (batch-1 decode) in gemv.py's one-row kernel (which
+the fused decode step also folds the norms into), 2 to SMALL_ROWS rows, and weight-only checkpoints at any size, in
+w8a16 below (at 16 rows of Qwen3-8B it measured faster than gemv.py's 16-row kernel on fp8 weights:
+docs/quantization.md).
 
 - Per-channel weight scales: x quantized per token (a scale per row), then torch._scaled_mm (cuBLASLt's fp8 GEMM)
   with row-wise scales on both sides.
@@ -99,7 +101,7 @@ def block_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Ten
     return c
 
 
-SMALL_ROWS = 16  # up to this many rows (small-batch decode) the product reads W in fp8 and x as it is (w8a16)
+SMALL_ROWS = 16  # up to this many rows (small-batch decode) the product reads W in fp8 and x as it is
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -165,7 +167,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not activations or (x.shape[0] <= SMALL_ROWS and x.dtype in (torch.bfloat16, torch.float16)):
+    small = x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= SMALL_ROWS
+    if small and x.shape[0] == 1:
+        from nanovllm.kernels.gemv import WeightScale, gemv
+        y = gemv(x, weight, bias, scale=WeightScale(scale, group if scale.dim() == 2 else None))
+        return y.reshape(*shape[:-1], weight.shape[0])
+    if small or not activations:
         return w8a16(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
     q, s = quantize_activations(x, group if scale.dim() == 2 else None)
     if scale.dim() == 1:

@@ -12,6 +12,10 @@ pairs and E experts: no host sync, so it can be captured in a CUDA graph.
 4. _gate_up_kernel: act[slot] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T), one tile x BLOCK_N columns of I.
 5. _down_kernel: pair_out[pair] = weight[pair] * act[slot] @ down_e^T.
 6. Each token's top_k rows summed in torch, in a fixed order (deterministic, unlike atomic adds).
+
+fp8 experts (quantization/fp8.py's Fp8Experts): the weights are read in fp8 and converted to x's type in the tile
+(exact), with float32 scales per weight row, or per row and group of columns applied to each K step's products;
+the activations stay 16-bit (w8a16). Decode reads half the bytes; the experts take half the memory.
 """
 import math
 from dataclasses import dataclass
@@ -156,11 +160,23 @@ def _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                    N, K, num_blocks, stride_xt, stride_we, stride_wn, stride_at,
+def _scaled(acc, a, w, s_ptr, k0, SCALE: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ w, w converted to a's type; SCALE 2: the step's products times the scales of its group at s_ptr
+    (one pointer per column of w; BLOCK_K divides GROUP)."""
+    w = w.to(a.dtype)
+    if SCALE == 2:
+        return acc + tl.dot(a, w, input_precision=PRECISION) * tl.load(s_ptr + k0 // GROUP)[None, :]
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, s_ptr,
+                    N, K, num_blocks, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """x [T, K]; w [E, 2N, K] (gate rows, then up rows); act [slots, N]."""
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALE: tl.constexpr = 0,
+                    GROUP: tl.constexpr = 1):
+    """x [T, K]; w [E, 2N, K] (gate rows, then up rows); act [slots, N]. SCALE (fp8 w): 1, scales [E, 2N] per
+    row; 2, [E, 2N, groups] per row and GROUP columns."""
     rows, expert, mask_m, slots, offs_n, cols = _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M,
                                                       BLOCK_N, GROUP_M)
     if rows == 0:
@@ -170,6 +186,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block_r
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + N * stride_wn
+    sg_ptrs = s_ptr + expert * stride_se + cols * stride_sn  # (SCALE: the columns' gate rows' scales)
+    su_ptrs = sg_ptrs + N * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -182,22 +200,25 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block_r
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=mask_k[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=mask_k[:, None], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        acc_g = _scaled(acc_g, a, g, sg_ptrs, k0, SCALE, GROUP, PRECISION)
+        acc_u = _scaled(acc_u, a, u, su_ptrs, k0, SCALE, GROUP, PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SCALE == 1:
+        acc_g *= tl.load(sg_ptrs)[None, :]
+        acc_u *= tl.load(su_ptrs)[None, :]
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, in float32
     tl.store(act_ptr + slots[:, None] * stride_at + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                 N, K, num_blocks, stride_at, stride_we, stride_wn, stride_ot,
+def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, s_ptr,
+                 N, K, num_blocks, stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """act [slots, K]; w [E, N, K]; out [pairs, N] = routing weight * act @ w_e^T."""
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALE: tl.constexpr = 0, GROUP: tl.constexpr = 1):
+    """act [slots, K]; w [E, N, K]; out [pairs, N] = routing weight * act @ w_e^T. SCALE as in _gate_up_kernel."""
     rows, expert, mask_m, slots, offs_n, cols = _tile(block_expert_ptr, block_rows_ptr, num_blocks, N, BLOCK_M,
                                                       BLOCK_N, GROUP_M)
     if rows == 0:
@@ -206,6 +227,7 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + slots[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + expert * stride_se + cols * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -215,18 +237,31 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_
             mask_k = offs_k < K - k0
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = _scaled(acc, a, w, s_ptrs, k0, SCALE, GROUP, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALE == 1:
+        acc *= tl.load(s_ptrs)[None, :]
     acc = acc * tl.load(weights_ptr + pairs, mask=mask_m, other=0.0)[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """fp8 experts' float32 scales: gate_up [E, 2I] and down [E, H] (one per row, group None), or [E, 2I, H / group]
+    and [E, H, I / group] (one per row and `group` columns, a power of two)."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    group: int | None
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K].
-    Returns [T, H] in x's dtype: sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])."""
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None, scales: ExpertScales | None = None
+              ) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]; scales: the
+    experts are fp8 (x 16-bit), these their scales. Returns [T, H] in x's dtype: sum_k topk_weights[t, k] *
+    expert_{topk_ids[t, k]}(x[t])."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.size(0), gate_up.size(1) // 2
     top_k = topk_ids.size(1)
@@ -235,6 +270,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     x, gate_up, down = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate_up, down))
     tiles = tiles or moe_tiles(num_tokens * top_k, num_experts, x.dtype)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    scaled, group, gu_s, down_s = 0, 1, x, x  # (unused without scales)
+    if scales is not None:
+        gu_s, down_s = scales.gate_up, scales.down
+        scaled = 1 if scales.group is None else 2
+        if scales.group is not None:
+            bk = min(bk, scales.group)
+            group = scales.group
     sorted_pairs, block_expert, block_rows = align_pairs(topk_ids.contiguous(), num_experts, bm)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (ignored for 16-bit inputs)
@@ -242,14 +284,16 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
 
     act = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
-        x, gate_up, act, sorted_pairs, block_expert, block_rows,
+        x, gate_up, act, sorted_pairs, block_expert, block_rows, gu_s,
         inter, hidden, blocks, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        gu_s.stride(0), gu_s.stride(1) if scaled else 0,
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, EVEN_K=hidden % bk == 0,
-        PRECISION=precision, **launch)
+        PRECISION=precision, SCALE=scaled, GROUP=group, **launch)
     pair_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
-        act, down, pair_out, topk_weights.float().contiguous(), sorted_pairs, block_expert, block_rows,
+        act, down, pair_out, topk_weights.float().contiguous(), sorted_pairs, block_expert, block_rows, down_s,
         hidden, inter, blocks, act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
+        down_s.stride(0), down_s.stride(1) if scaled else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, EVEN_K=inter % bk == 0,
-        PRECISION=precision, **launch)
+        PRECISION=precision, SCALE=scaled, GROUP=group, **launch)
     return pair_out.view(num_tokens, top_k, hidden).sum(1)

@@ -3,8 +3,10 @@ linear kernels (gemv.py): the seam through which small-batch speed reaches the m
 
 The model runner builds one from the model's own modules (it reads their weights at each call, so weight updates and
 sleep/wake are seen) and calls it for the row counts it `accepts`; every other step runs the model. `build` declines
-(returns None) for anything but a plain 16-bit dense decoder on CUDA: a capability that changes a linear layer (LoRA,
-quantized weights) or the layer's shape only has to make it decline.
+(returns None) for anything but a plain dense decoder on CUDA with 16-bit or fp8 weights (fp8: the one-row kernels
+read them with their scales; 9-16 rows of fp8 weights run the model, whose w8a16 kernel measured faster there): a
+capability that changes a linear layer (LoRA, other weight formats) or the layer's shape only has to make it
+decline.
 
 - One row (batch-1 decode): each RMSNorm and residual add runs inside the next projection's one-row kernel, and
   SiLU-and-mul inside the down projection's: three kernels fewer a layer. With tensor parallelism too (o_proj and
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.group import all_reduce
-from nanovllm.kernels.gemv import gemv_add_norm, gemv_folded, gemv_normed
+from nanovllm.kernels.gemv import WeightScale, gemv_add_norm, gemv_folded, gemv_normed
 from nanovllm.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -25,6 +27,7 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
     small_batch_rows,
 )
+from nanovllm.quantization.fp8 import Fp8Linear
 
 FOLD_MIN_ROWS = 9  # fewest rows that take the split norm
 
@@ -48,9 +51,10 @@ class FusedDecodeStep:
             if not (type(attn) is DecoderAttention and type(mlp) is DecoderMLP):  # MoE, other families: decline
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(type(lin) in plain and lin.weight.dtype == dtype for lin in linears):
-                return None  # an adapter or a quantized weight: decline
-        return cls(model, rows_fold=layers[0].self_attn.o_proj.tp_size == 1)
+            if not all(type(lin) in plain and _takes(lin, dtype) for lin in linears):
+                return None  # another layer or weight format: decline
+        fp8 = any(lin.quant is not None for layer in layers for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        return cls(model, rows_fold=layers[0].self_attn.o_proj.tp_size == 1 and not fp8)
 
     def accepts(self, rows: int) -> bool:
         return rows == 1 or (self.rows_fold and FOLD_MIN_ROWS <= rows <= 16)
@@ -71,7 +75,7 @@ class FusedDecodeStep:
             gate_up, residual = _normed(mlp.gate_up_proj, hidden, layer.post_attention_layernorm, residual)
             down = mlp.down_proj
             hidden = all_reduce(gemv_folded(gate_up, down.weight, down.bias if down.tp_rank == 0 else None,
-                                            gated=True), down.tp_group)
+                                            gated=True, scale=_scale(down)), down.tp_group)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -81,15 +85,17 @@ class FusedDecodeStep:
         x = layers[0].input_layernorm(hidden)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(x) if rows is None else gemv_normed(rows, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            qkv = attn.qkv_proj(x) if rows is None else gemv_normed(rows, *_weights(attn.qkv_proj),
+                                                                            scale=_scale(attn.qkv_proj))
             o = attn.attend(positions, qkv)
             norm = layer.post_attention_layernorm
-            residual, rows = gemv_add_norm(o, attn.o_proj.weight, attn.o_proj.bias, residual, norm.weight, norm.eps)
-            act = gemv_normed(rows, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated_out=True)
+            residual, rows = gemv_add_norm(o, *_weights(attn.o_proj), residual, norm.weight, norm.eps,
+                                           scale=_scale(attn.o_proj))
+            act = gemv_normed(rows, *_weights(mlp.gate_up_proj), gated_out=True, scale=_scale(mlp.gate_up_proj))
             if i + 1 < len(layers):
                 norm = layers[i + 1].input_layernorm
-                residual, rows = gemv_add_norm(act, mlp.down_proj.weight, mlp.down_proj.bias, residual, norm.weight,
-                                               norm.eps)
+                residual, rows = gemv_add_norm(act, *_weights(mlp.down_proj), residual, norm.weight, norm.eps,
+                                               scale=_scale(mlp.down_proj))
             else:
                 hidden, _ = self.model.norm(mlp.down_proj(act), residual)
         return hidden
@@ -98,5 +104,22 @@ class FusedDecodeStep:
 def _normed(linear: LinearBase, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
     """(linear(norm(x [+ residual])), the new residual) from the one-row kernel (a column-parallel layer: no
     all-reduce)."""
-    out = gemv_folded(x, linear.weight, linear.bias, norm=(norm.weight, norm.eps), residual=residual)
+    out = gemv_folded(x, linear.weight, linear.bias, norm=(norm.weight, norm.eps), residual=residual,
+                      scale=_scale(linear))
     return out if residual is not None else (out, x)
+
+
+def _takes(linear: LinearBase, dtype: torch.dtype) -> bool:
+    """A weight of the model's 16-bit dtype, or an fp8 one with its scales (quantization/fp8.py)."""
+    if linear.quant is None:
+        return linear.weight.dtype == dtype
+    return isinstance(linear.quant, Fp8Linear) and linear.weight.dtype == torch.float8_e4m3fn
+
+
+def _weights(linear: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return linear.weight, linear.bias
+
+
+def _scale(linear: LinearBase) -> WeightScale | None:
+    """The fp8 weight's scales for the kernels, None for a 16-bit weight."""
+    return None if linear.quant is None else WeightScale(linear.quant.scale, linear.quant.group)

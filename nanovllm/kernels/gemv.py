@@ -23,6 +23,7 @@ h * w unchanged and scales each output row by rstd at its end: no norm kernel, n
 """
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,11 +45,11 @@ ROW_MAX_K = 4096  # one row of x: each program holds its whole [BLOCK_N, K] slic
 
 @triton.jit(do_not_specialize=["M"])  # (one kernel for 2-16 rows: 9 and 16 rows are both decode and prefill)
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                 stride_ym, res_ptr, xn_ptr, nw_ptr, sumsq_ptr, n_parts, eps, BLOCK_M: tl.constexpr,
+                 stride_ym, res_ptr, xn_ptr, nw_ptr, sumsq_ptr, n_parts, eps, s_ptr, stride_s, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  SPLIT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False, PARTS: tl.constexpr = 1,
-                 GATED_OUT: tl.constexpr = False):
+                 GATED_OUT: tl.constexpr = False, SCALE: tl.constexpr = 0, GROUP: tl.constexpr = 1):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
@@ -60,7 +61,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     which scales the row's products before the bias.
     GATED_OUT: W is an MLP's [gate; up] (N rows, N/2 each) and y [M, N/2] is silu(gate) * up: program n takes
     gate rows [n * BLOCK_N/2, +BLOCK_N/2) and the matching up rows, and rounds both before the SiLU-and-mul (as
-    kernels/activation.py after the layer)."""
+    kernels/activation.py after the layer).
+    SCALE: W is fp8 (converted to x's type as it is read; exact) with float32 scales at s_ptr: 1, one per W row,
+    applied to the sums; 2, one per W row and GROUP columns ([N, groups], stride_s), applied to each BLOCK_K step's
+    products (BLOCK_K divides GROUP)."""
     if PDL:  # launched early (hopper/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
@@ -101,7 +105,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if BLOCK_M == 1:
+        w = w.to(x.dtype)  # (fp8 W: exact in x's 16-bit type)
+        if SCALE == 2:  # this step's group scale per W row, on the step's products
+            gs = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
+            if BLOCK_M == 1:
+                acc1 += w.to(tl.float32) * x.to(tl.float32) * gs[:, None]
+            elif SWAP:
+                acc_t += tl.dot(w, tl.trans(x)) * gs[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w)) * gs[None, :]
+        elif BLOCK_M == 1:
             acc1 += w.to(tl.float32) * x.to(tl.float32)
         elif SWAP:
             acc_t = tl.dot(w, tl.trans(x), acc_t)
@@ -122,6 +135,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in range(0, splits):  # written by other SMs: read from L2 (.cg), never a stale L1 line
             acc += tl.load(part + s * BLOCK_M * N, mask=mask_n[None, :], other=0.0, cache_modifier=".cg")
+    if SCALE == 1:
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if SCALE_ROWS:
         acc = acc * tl.rsqrt(tl.sum(sumsq, 0) / K + eps)[:, None]
     if HAS_BIAS:
@@ -145,16 +160,18 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N, K, stride_wn, eps,
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, s_ptr, N, K, stride_wn, stride_s, eps,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                     NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr = 0,
+                     GROUP: tl.constexpr = 1):
     """One row of x. Each program loads its whole [BLOCK_N, K] slice of W at once: no kernel writes W, so with
     programmatic dependent launch (PDL) those loads may start while the kernel before is finishing; gdc_wait then
     waits for it before x is read or anything written. The whole row of x is in registers too, so the op before
     the layer folds in at no extra pass (the roundings of kernels/activation.py and norm.py):
     GATED: x is [gate, up] (2K wide) and the layer reads silu(gate) * up;
     ADD: the layer reads x + residual, which program 0 also writes out (the new residual);
-    NORM: then rms_norm(.) * nw."""
+    NORM: then rms_norm(.) * nw.
+    SCALE: an fp8 W's scales, as in _gemv_kernel (2: GROUP divides BLOCK_K)."""
     dtype = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,6 +183,13 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N
         b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if NORM:
         nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+    if SCALE == 1:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    elif SCALE == 2:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        offs_g = tl.arange(0, NG)
+        s = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :],
+                    mask=mask_n[:, None] & (offs_g < tl.cdiv(K, GROUP))[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -178,7 +202,13 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N
             tl.store(res_out_ptr + offs_k, x, mask=mask_k)
     if NORM:
         x = norm_kernels.rms_normed(x, nw, K, eps, dtype)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    prods = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if SCALE == 2:
+        acc = tl.sum(tl.sum(tl.reshape(prods, [BLOCK_N, NG, GROUP]), 2) * s, 1)
+    else:
+        acc = tl.sum(prods, 1)
+    if SCALE == 1:
+        acc *= s
     if HAS_BIAS:
         acc += b
     tl.store(y_ptr + offs_n, acc.to(dtype), mask=mask_n)
@@ -186,7 +216,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, N
 
 def row_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the one-row kernel: a [BLOCK_N, K] slice of at most 16k elements (32
-    registers a thread at 8 warps)."""
+    registers a thread at 8 warps; for an fp8 W, 32k measured no faster: docs/quantization.md)."""
     block_k = triton.next_power_of_2(k)
     return max(1, min(16, 16384 // block_k)), block_k, 8
 
@@ -210,11 +240,12 @@ def _has_wgmma(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
-def gemv_config(m: int, n: int, k: int, swap: bool = False) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, swap: bool = False, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest on Hopper, for the Qwen3-0.6B shapes, of the tiles
-    benchmarks/small_gemm.py --sweep (--swap) tries; swap: the swapped product's (swapped())."""
+    benchmarks/small_gemm.py --sweep (--swap) tries; swap: the swapped product's (swapped()). One row of an fp8 W
+    (itemsize 1; Qwen3-8B's down projection, K 12,288) steps twice as far along K: the same bytes a step."""
     if m == 1:
-        return 8, 512, 4, 3
+        return 8, 512 * 2 // itemsize if itemsize <= 2 else 512, 4, 3
     if swap:
         return SWAP_TILE
     if n >= 65536:  # the LM head: long rows of programs
@@ -242,6 +273,13 @@ def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: tor
     return k_splits(k, min(MAX_SPLIT_K, 2 * sm_count(device) // programs), block_k)[0]
 
 
+class WeightScale(NamedTuple):
+    """An fp8 weight's float32 scales: `scales` [N] (one per row, group None) or [N, groups], one per row and
+    `group` columns (a power of two)."""
+    scales: torch.Tensor
+    group: int | None
+
+
 @dataclass
 class NormedRows:
     """The input of a linear layer with the RMSNorm before it folded in (gemv's add_norm gives it, gemv's normed
@@ -260,23 +298,25 @@ def _check(ok: bool, what: str, **shapes):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, ...] | None = None, row_kernel: bool | None = None, pdl: bool | None = None):
+         config: tuple[int, ...] | None = None, row_kernel: bool | None = None, pdl: bool | None = None,
+         scale: "WeightScale | None" = None):
     """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both unit-stride along K. One row up to ROW_MAX_K
-    takes the one-row kernel (under PDL where the GPU has it), 2-16 rows the general kernel. For benchmarks and
-    tests: config (BLOCK_N, BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the general kernel's tile
-    (K-splits 0: the default count); row_kernel and pdl force those choices."""
+    takes the one-row kernel (under PDL where the GPU has it), 2-16 rows the general kernel. scale: weight is fp8
+    and this its scales (the product is x @ dequantized(weight)^T). For benchmarks and tests: config (BLOCK_N,
+    BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the general kernel's tile (K-splits 0: the default
+    count); row_kernel and pdl force those choices."""
     m, k = x.shape
     _check(m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and weight.shape[1] == k
            and (not row_kernel or m == 1), "x [1-16, K] and weight [N, K], unit stride along K (row_kernel: one row)",
            x=x, weight=weight)
     if row_kernel if row_kernel is not None else (m == 1 and k <= ROW_MAX_K and config is None):
-        return _row(x, weight, bias, pdl=pdl)
-    return _general(x, weight, bias, config)
+        return _row(x, weight, bias, pdl=pdl, scale=scale)
+    return _general(x, weight, bias, config, scale=scale)
 
 
 def gemv_folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-                gated: bool = False, pdl: bool | None = None):
+                gated: bool = False, pdl: bool | None = None, scale: "WeightScale | None" = None):
     """One row, with the op before the layer folded into the one-row kernel (run as its own kernel first where K
     exceeds ROW_MAX_K): gated, x is [1, 2K] and the layer reads silu_and_mul(x); norm=(weight, eps), the layer reads
     rms_norm(x), or with a residual rms_norm(x + residual) and returns (y, x + residual)."""
@@ -286,7 +326,7 @@ def gemv_folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
            "one row of K (gated: 2K) and a residual only with a norm", x=x, weight=weight,
            residual=residual if residual is not None else "none")
     if k <= ROW_MAX_K:
-        return _row(x, weight, bias, pdl=pdl, gated=gated, norm=norm, residual=residual)
+        return _row(x, weight, bias, pdl=pdl, gated=gated, norm=norm, residual=residual, scale=scale)
     new_residual = None
     if gated:
         x = activation.silu_and_mul(x)
@@ -294,12 +334,13 @@ def gemv_folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, new_residual = norm_kernels.add_rms_norm(x, residual, *norm)
     elif norm is not None:
         x = norm_kernels.rms_norm(x, *norm)
-    y = _general(x, weight, bias)
+    y = _general(x, weight, bias, scale=scale)
     return (y, new_residual) if residual is not None else y
 
 
 def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float, config: tuple[int, ...] | None = None):
+                  norm_weight: torch.Tensor, eps: float, config: tuple[int, ...] | None = None,
+                  scale: "WeightScale | None" = None):
     """2-16 rows, the first half of an RMSNorm folded between two layers: returns (h, NormedRows) with h = x @ W^T
     (+ bias) + residual, the new residual, and the next layer's input with the norm's weight applied (gemv_normed
     takes it)."""
@@ -307,43 +348,56 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _check(1 < m <= MAX_ROWS and residual.shape == (m, n) and residual.is_contiguous() and norm_weight.shape == (n,),
            "2-16 rows, a contiguous residual [M, N] and a norm weight [N]", x=x, weight=weight, residual=residual,
            norm_weight=norm_weight)
-    return _general(x, weight, bias, config, add_norm=(residual, norm_weight, eps))
+    return _general(x, weight, bias, config, add_norm=(residual, norm_weight, eps), scale=scale)
 
 
 def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | None = None,
-                gated_out: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
+                gated_out: bool = False, config: tuple[int, ...] | None = None,
+                scale: "WeightScale | None" = None) -> torch.Tensor:
     """The layer after gemv_add_norm: rms_norm(h) @ W^T (+ bias) from its NormedRows. gated_out: weight is an MLP's
     [gate; up] and the layer returns silu_and_mul of its output, [M, N/2], from the kernel's epilogue."""
     _check(1 < rows.x.shape[0] <= MAX_ROWS and (not gated_out or weight.shape[0] % 2 == 0),
            "2-16 rows (gated_out: an even N)", x=rows.x, weight=weight)
-    return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out)
+    return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out, scale=scale)
 
 
-def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None):
+def _scale_args(scale: "WeightScale | None", block_k: int, y: torch.Tensor) -> tuple:
+    """(s_ptr, stride_s, SCALE, GROUP) kernel arguments for `scale`, with BLOCK_K block_k."""
+    if scale is None:
+        return y, 0, 0, 1
+    if scale.group is None:
+        return scale.scales, 0, 1, 1
+    return scale.scales, scale.scales.stride(0), 2, min(scale.group, block_k)
+
+
+def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale=None):
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device) if pdl is None else pdl
     res_out = torch.empty_like(residual) if residual is not None else y
     residual = residual.contiguous() if residual is not None else x
     block_n, block_k, warps = row_config(n, k)
+    s_ptr, stride_s, scaled, group = _scale_args(scale, block_k, y)
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
-        res_out, n, k, weight.stride(0), norm[1] if norm is not None else 0.0, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y, PDL=pdl,
-        num_warps=warps, **pdl_launch(pdl))
+        res_out, s_ptr, n, k, weight.stride(0), stride_s, norm[1] if norm is not None else 0.0, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y,
+        PDL=pdl, SCALE=scaled, GROUP=group, num_warps=warps, **pdl_launch(pdl))
     return (y, res_out) if res_out is not y else y
 
 
-def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out=False):
+def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out=False, scale=None):
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n // 2 if gated_out else n, dtype=x.dtype, device=x.device)
     if config is None:
         swap = swapped(m, n, k, x.device, x.dtype)
-        block_n, block_k, warps, stages, split = *gemv_config(m, n, k, swap), 0
+        block_n, block_k, warps, stages, split = *gemv_config(m, n, k, swap, weight.element_size()), 0
     else:
         block_n, block_k, warps, stages, split, swap = (*config, 0, False)[:6]
         swap = swap and m > 1
+    if scale is not None and scale.group is not None:
+        block_k = min(block_k, scale.group)  # (a step's products take one group's scale)
     split_k, k_per_split = k_splits(k, split or gemv_split_k(m, n, k, block_n, block_k, x.device, swap), block_k)
     block_m = 1 if m == 1 else 16
     if split_k > 1:
@@ -359,13 +413,16 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
         sumsq = scratch(x.device, "gemv_sumsq", parts * block_m, torch.float32)
     elif normed is not None:
         sumsq, parts, eps = normed.sumsq, normed.parts, normed.eps
+    s_ptr, stride_s, scaled, group = _scale_args(scale, block_k, y)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
-        weight.stride(0), y.stride(0), res, xn, norm_w, sumsq, parts, eps, BLOCK_M=block_m, BLOCK_N=block_n,
+        weight.stride(0), y.stride(0), res, xn, norm_w, sumsq, parts, eps, s_ptr, stride_s, BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1,
         SWAP=swap, PDL=pdl, ADD_NORM=add_norm is not None, SCALE_ROWS=normed is not None,
-        PARTS=triton.next_power_of_2(parts), GATED_OUT=gated_out, num_warps=warps, num_stages=stages,
+        PARTS=triton.next_power_of_2(parts), GATED_OUT=gated_out, SCALE=scaled, GROUP=group, num_warps=warps,
+        num_stages=stages,
         **pdl_launch(pdl))
     if add_norm is not None:
         return y, NormedRows(xn, sumsq, parts, eps)

@@ -4,8 +4,9 @@ Expert weights are stacked per layer: gate_up_proj [E, 2 * I, H] (gate rows, the
 [E, H, I], the layout transformers keeps in memory. Under tensor parallelism every rank holds every expert's I/tp
 slice of both, so a rank's output is a partial sum, all-reduced once per layer as for the dense MLP.
 
-On CUDA the experts run in the fused Triton kernel (kernels/fused_moe.py); elsewhere in
-`fused_experts_torch`, which is also the kernel's test oracle."""
+On CUDA the experts run in the fused Triton kernel (kernels/fused_moe.py), in 16 bits or fp8 (`experts.quant`, a
+quantization/fp8.Fp8Experts: the stacked weights in fp8 plus their scales); elsewhere in `fused_experts_torch`, which
+is also the kernel's test oracle (on CPU fp8 experts are dequantized at load)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,11 +54,13 @@ def fused_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts' weighted sum [T, H], on whatever device x is (see fused_experts_torch for the shapes)."""
+                  topk_ids: torch.Tensor, quant=None) -> torch.Tensor:
+    """The experts' weighted sum [T, H], on whatever device x is (see fused_experts_torch for the shapes); quant:
+    the experts' Fp8Experts (CUDA), whose scales go with the fp8 weights."""
     if x.is_cuda:  # the Triton kernel: no host syncs, fixed shapes (CUDA graphs)
-        from nanovllm.kernels.fused_moe import fused_moe
-        return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        from nanovllm.kernels.fused_moe import ExpertScales, fused_moe
+        scales = None if quant is None else ExpertScales(quant.gate_up_scale, quant.down_scale, quant.group)
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids, scales=scales)
     return fused_experts_torch(x, gate_up, down, topk_weights, topk_ids)
 
 
@@ -71,6 +74,7 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.quant = None  # fp8 experts: their quant method (quantization/fp8.Fp8Experts)
         self.intermediate = intermediate_size // self.tp_size  # this rank's share
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
                                          requires_grad=False)
@@ -81,8 +85,9 @@ class StackedExperts(nn.Module):
         self.gate_up_proj.shard_ids = [(e, part) for e in range(num_experts) for part in (GATE, UP)]
         self.down_proj.shard_ids = [(e, 0) for e in range(num_experts)]
 
-    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
-        return loaded.narrow(dim, self.tp_rank * self.intermediate, self.intermediate)
+    def _rank_slice(self, loaded: torch.Tensor, dim: int, size: int | None = None) -> torch.Tensor:
+        size = size or self.intermediate
+        return loaded.narrow(dim, self.tp_rank * size, size)
 
     def _expert(self, shard_id: tuple[int, int]) -> int:
         expert = shard_id[0]
@@ -99,7 +104,7 @@ class StackedExperts(nn.Module):
                 param.data[:, part * size:(part + 1) * size].copy_(self._rank_slice(rows, 1))
             return
         expert, part = self._expert(shard_id), shard_id[1]
-        check_weight_shape(loaded, (full, self.hidden_size))
+        check_weight_shape(loaded, (full, *param.shape[2:]))  # (an fp8 weight's scales: [rows(, groups)])
         param.data[expert, part * size:(part + 1) * size].copy_(self._rank_slice(loaded, 0))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
@@ -108,8 +113,13 @@ class StackedExperts(nn.Module):
             check_weight_shape(loaded, (self.num_experts, self.hidden_size, full))
             param.data.copy_(self._rank_slice(loaded, 2))
             return
-        check_weight_shape(loaded, (self.hidden_size, full))
-        param.data[self._expert(shard_id)].copy_(self._rank_slice(loaded, 1))
+        if param.dim() == 2:  # per-row scales of fp8 weights: [H]
+            check_weight_shape(loaded, (self.hidden_size,))
+            param.data[self._expert(shard_id)].copy_(loaded)
+            return
+        cols = param.shape[2]  # I / tp (block scales: its groups)
+        check_weight_shape(loaded, (self.hidden_size, cols * self.tp_size))
+        param.data[self._expert(shard_id)].copy_(self._rank_slice(loaded, 1, cols))
 
 
 class SparseMoeBlock(nn.Module):
@@ -124,5 +134,5 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.experts.quant)
         return all_reduce(out, self.tp_group)

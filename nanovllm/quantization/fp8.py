@@ -9,10 +9,8 @@ groups too, so its per-rank input width must be a whole number of groups.
 On CPU the weights are dequantized to float32 once loaded (the engine then runs the plain layer: the format logic is
 what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
 quantized on the fly (per token, or per token and group for block scales) for an fp8 GEMM, or left 16-bit against
-the fp8 weight for small batches and weight-only checkpoints. MoE experts are dequantized as they are read
-(dequantize_experts): the fused MoE kernel takes 16-bit experts."""
-import re
-from collections.abc import Iterable, Iterator
+the fp8 weight for small batches and weight-only checkpoints. MoE experts (Fp8Experts) keep their stacked weights in
+fp8 the same way, scales [experts, rows(, groups)], read by the fused MoE kernel against 16-bit activations."""
 
 import torch
 from torch import nn
@@ -69,22 +67,8 @@ class Fp8Linear:
     def _load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """A checkpoint's scales for this layer (or one part of a packed one) as the layer keeps them: block rows
         repeated over their rows, a per-tensor scale over every row."""
-        rows = _full_rows(layer, param, shard_id)
-        loaded = loaded.float()
-        if self.group is None:
-            if loaded.numel() == 1:  # per tensor
-                loaded = loaded.reshape(1).expand(rows)
-            elif loaded.shape not in ((rows,), (rows, 1)):
-                raise ValueError(f"scale shape {tuple(loaded.shape)} does not match the expected ({rows}, 1) (one "
-                                 "scale per output channel)")
-            loaded = loaded.reshape(rows)
-        else:
-            cols = param.shape[1] * (layer.tp_size if layer.tp_dim == 1 else 1)
-            expected = (-(-rows // self.block_rows), cols)
-            if tuple(loaded.shape) != expected:
-                raise ValueError(f"scale shape {tuple(loaded.shape)} does not match the expected {expected} (one per "
-                                 f"{self.block_rows}x{self.group} block)")
-            loaded = loaded.repeat_interleave(self.block_rows, dim=0)[:rows]
+        groups = None if self.group is None else param.shape[1] * (layer.tp_size if layer.tp_dim == 1 else 1)
+        loaded = scales_per_row(loaded, _full_rows(layer, param, shard_id), groups, self.block_rows, self.group)
         if shard_id is None:
             layer.weight_loader(param, loaded)
         else:
@@ -112,6 +96,26 @@ class Fp8Linear:
         return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations)
 
 
+def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_rows: int,
+                   group: int | None) -> torch.Tensor:
+    """A checkpoint's scales for a weight of `rows` rows as the layers keep them, float32: [rows] per channel (a
+    per-tensor scale repeated), or [rows, groups] with each block row's scales repeated over its rows. ValueError
+    for any other shape."""
+    loaded = loaded.float()
+    if group is None:
+        if loaded.numel() == 1:  # per tensor
+            return loaded.reshape(1).expand(rows)
+        if loaded.shape not in ((rows,), (rows, 1)):
+            raise ValueError(f"scale shape {tuple(loaded.shape)} does not match the expected ({rows}, 1) (one scale "
+                             "per output channel)")
+        return loaded.reshape(rows)
+    expected = (-(-rows // block_rows), groups)
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"scale shape {tuple(loaded.shape)} does not match the expected {expected} (one per "
+                         f"{block_rows}x{group} block)")
+    return loaded.repeat_interleave(block_rows, dim=0)[:rows]
+
+
 def _full_rows(layer: nn.Module, param: nn.Parameter, shard_id) -> int:
     """Output rows of the checkpoint tensor a (shard of a) layer's parameter is loaded from."""
     if shard_id is None:
@@ -122,16 +126,89 @@ def _full_rows(layer: nn.Module, param: nn.Parameter, shard_id) -> int:
     return layer.output_sizes[shard_id]
 
 
+class Fp8Experts:
+    """A StackedExperts' fp8 method: gate_up_proj [E, 2I, H] and down_proj [E, H, I] in fp8, their scales kept as
+    gate_up_scale [E, 2I(, H / group)] and down_scale [E, H(, I / group)] (block scales repeated over their rows, as
+    Fp8Linear keeps them). Checkpoint scales load through the parameters `<weight>_<scale name>`, per expert and
+    projection like the weights (tensor parallelism slices them alike); online, the 16-bit experts are quantized per
+    row once loaded. CPU: dequantized at load."""
+
+    PARTS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+        self.block_rows, self.group = config.block
+        self.scale_name = config.scale_name
+
+    def create_weights(self, experts: nn.Module, name: str):
+        if self.config.online:
+            return
+        if self.group is not None and experts.tp_size > 1 and experts.intermediate % self.group:
+            raise ValueError(f"{name}: its experts' intermediate size is split over {experts.tp_size} ranks into "
+                             f"{experts.intermediate} columns each, not a whole number of the checkpoint's "
+                             f"{self.group}-column scale blocks; use another tensor_parallel_size")
+        for part in self.PARTS:
+            old = getattr(experts, part)
+            weight = nn.Parameter(torch.empty(old.shape, dtype=FP8), requires_grad=False)
+            weight.weight_loader, weight.shard_ids = old.weight_loader, old.shard_ids
+            setattr(experts, part, weight)
+            e, rows, cols = old.shape
+            shape = (e, rows) if self.group is None else (e, rows, -(-cols // self.group))
+            scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = (lambda param, loaded, shard_id=None, part=part:
+                                   self._load_scale(experts, part, param, loaded, shard_id))
+            scale.shard_ids = old.shard_ids
+            setattr(experts, f"{part}_{self.scale_name}", scale)
+
+    def _load_scale(self, experts: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id):
+        """One expert's projection's checkpoint scales as the experts keep them (then the weight's own loader)."""
+        if shard_id is None:
+            raise ValueError("stacked fp8 expert scales (one tensor for every expert) are not supported; nanovllm "
+                             "reads them per expert and projection, as the FP8 checkpoints store them")
+        if part == "gate_up_proj":
+            rows, cols = experts.intermediate * experts.tp_size, experts.hidden_size
+        else:
+            rows, cols = experts.hidden_size, experts.intermediate * experts.tp_size
+        groups = None if self.group is None else -(-cols // self.group)
+        loaded = scales_per_row(loaded, rows, groups, self.block_rows, self.group)
+        getattr(experts, part).weight_loader(param, loaded, shard_id)
+
+    def finish(self, experts: nn.Module) -> "Fp8Experts | None":
+        """After loading: the method the experts keep (None on CPU, where they are dequantized to float32)."""
+        scales = []
+        for part in self.PARTS:
+            if self.config.online:
+                weight, scale = quantize_rows(getattr(experts, part).data)
+            else:
+                weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
+                delattr(experts, f"{part}_{self.scale_name}")
+            if not weight.is_cuda:
+                scale = scale[..., None] if self.group is None else scale.repeat_interleave(self.group, -1)
+                weight = weight.float() * scale[..., :weight.shape[-1]]
+            new = nn.Parameter(weight, requires_grad=False)
+            new.weight_loader, new.shard_ids = getattr(experts, part).weight_loader, getattr(experts, part).shard_ids
+            setattr(experts, part, new)
+            scales.append(scale)
+        if not experts.gate_up_proj.is_cuda:
+            return None
+        self.gate_up_scale, self.down_scale = scales
+        return self
+
+
 def quantize_model(model: nn.Module, config: QuantConfig):
-    """Give every linear layer the config quantizes an Fp8Linear (its weights made for loading); MoE routers stay
-    16-bit, as in the checkpoints."""
+    """Give every linear layer the config quantizes an Fp8Linear, and every MoE layer's experts an Fp8Experts (their
+    weights made for loading); MoE routers stay 16-bit, as in the checkpoints."""
     from nanovllm.layers.linear import LinearBase, ReplicatedLinear
+    from nanovllm.layers.moe import StackedExperts
     names = checkpoint_names(model)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
             if all(config.quantizes(n) for n in names.get(name, [name])):
                 module.quant = Fp8Linear(config)
                 module.quant.create_weights(module, name)
+        elif isinstance(module, StackedExperts) and config.quantizes(f"{name}.0.gate_proj"):
+            module.quant = Fp8Experts(config)
+            module.quant.create_weights(module, name)
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:
@@ -146,50 +223,8 @@ def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:
     return names
 
 
-_EXPERT = re.compile(r"(.*\.experts\.\d+\.\w+)\.(weight\w*)")
-
-
-def dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]], config: QuantConfig,
-                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors with each MoE expert's fp8 weight and scale turned into one `dtype` weight: the fused
-    MoE kernel takes 16-bit experts (the other layers keep fp8). ValueError naming an expert weight without its
-    scale, or a scale of the wrong shape."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        match = _EXPERT.fullmatch(name)
-        if match is None or (match[2] == "weight" and tensor.dtype != FP8):
-            yield name, tensor
-            continue
-        parts = pending.setdefault(match[1], {})
-        parts[match[2]] = tensor
-        if "weight" in parts and config.scale_name in parts:
-            del pending[match[1]]
-            yield f"{match[1]}.weight", _dequantize_expert(match[1], parts["weight"], parts[config.scale_name],
-                                                           config).to(dtype)
-    for module, parts in pending.items():
-        missing = "weight" if "weight" not in parts else config.scale_name
-        raise ValueError(f"checkpoint lacks {module}.{missing} (an fp8 expert weight needs its scale)")
-
-
-def _dequantize_expert(module: str, weight: torch.Tensor, scale: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    n, k = weight.shape
-    rows, cols = config.block
-    scale = scale.float()
-    if cols is None:
-        if scale.numel() not in (1, n):
-            raise ValueError(f"checkpoint tensor {module}.{config.scale_name}: shape {tuple(scale.shape)}, expected "
-                             f"({n}, 1)")
-        return weight.float() * scale.reshape(-1, 1)
-    expected = (-(-n // rows), -(-k // cols))
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"checkpoint tensor {module}.{config.scale_name}: shape {tuple(scale.shape)}, expected "
-                         f"{expected} (one per {rows}x{cols} block)")
-    return weight.float() * scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
-
-
 def finish_loading(model: nn.Module):
-    """Every quantized layer's weights as it computes with them (Fp8Linear.finish)."""
-    from nanovllm.layers.linear import LinearBase
+    """Every quantized layer's weights as it computes with them (Fp8Linear.finish, Fp8Experts.finish)."""
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant is not None:
+        if getattr(module, "quant", None) is not None:
             module.quant = module.quant.finish(module)

@@ -107,11 +107,13 @@ class SeqStub:
         self.num_completion_tokens, self.is_finished, self.generator = 0, False, None
 
 
-def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = None):
+def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = None, fp8_group: int | None = 0):
     """Three decoder layers and the final norm through kernels/fused_step.FusedDecodeStep (the norms, residual adds
     and SiLU-and-mul inside the projections' kernels) against the plain model; attention replaced by a fixed map of
     qkv (its kernels have their own checks), so this pins which norm, residual and weight goes where (a wrong one
-    moves outputs by tenths). tolerance: assert_close's, where not the dtype's."""
+    moves outputs by tenths). tolerance: assert_close's, where not the dtype's. fp8_group (not 0): the step's
+    projections hold fp8 weights (scales per row, or per row and fp8_group columns) and the plain model their
+    dequantized values."""
     from types import SimpleNamespace
 
     from nanovllm.kernels.fused_step import FusedDecodeStep
@@ -125,7 +127,30 @@ def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = No
     for layer in model.layers:
         mix = torch.randn(128, 64, device=device).to(dtype) * 0.3  # qkv width (4 + 2 * 2) * 16 -> heads * head_dim
         layer.self_attn.attend = lambda positions, qkv, mix=mix: qkv @ mix
-    step = FusedDecodeStep(SimpleNamespace(model=model), rows_fold=True)
+    fused = model
+    if fp8_group != 0:
+        import copy
+
+        from nanovllm.quantization.config import QuantConfig
+        from nanovllm.quantization.fp8 import Fp8Linear, dequantize
+        fused = copy.deepcopy(model)
+        for plain, quantized in zip(model.layers, fused.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                part = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
+                lin = getattr(getattr(quantized, part), name)
+                w = lin.weight.data.float()
+                if fp8_group is None:
+                    scale = w.abs().amax(-1) / 448.0
+                    q = (w / scale[:, None]).to(torch.float8_e4m3fn)
+                else:
+                    blocks = w.view(w.shape[0], -1, fp8_group)
+                    scale = blocks.abs().amax(-1) / 448.0
+                    q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(w.shape)
+                lin.weight = torch.nn.Parameter(q, requires_grad=False)
+                lin.quant = Fp8Linear(QuantConfig("fp8", block=(1, fp8_group)))
+                lin.quant.scale = scale
+                getattr(getattr(plain, part), name).weight.data.copy_(dequantize(q, scale, fp8_group))
+    step = FusedDecodeStep(SimpleNamespace(model=fused), rows_fold=True)
     assert step.accepts(rows) == (rows == 1 or 9 <= rows <= 16)
     ids = torch.randint(0, 50, (rows,), device=device)
     positions = torch.arange(rows, device=device)

@@ -66,12 +66,31 @@ def check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     assert sorted(seen) == list(range(ids.numel()))
 
 
+def fp8_experts(w: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 weights, scales per row [E, rows] or per row and group [E, rows, cols / group], dequantized float32)."""
+    e, rows, cols = w.shape
+    blocks = w.float().view(e, rows, -1, group or cols)
+    scale = blocks.abs().amax(-1).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[..., None]).to(torch.float8_e4m3fn)
+    return q.view(e, rows, cols), scale if group else scale[..., 0], (q.float() * scale[..., None]).view(e, rows, cols)
+
+
 def check_fused_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype, load="uniform",
-                    tiles: MoeTiles | None = None, device="cpu"):
+                    tiles: MoeTiles | None = None, device="cpu", fp8_group: int | None = 0):
+    """fp8_group (not 0): fp8 experts with scales per row (None) or per row and fp8_group columns, against the
+    torch experts on their dequantized weights."""
     weights, ids = routing(num_tokens, num_experts, top_k, load, device, seed=num_tokens)
     gate_up, down = random_experts(num_experts, hidden, inter, dtype, device, seed=num_tokens)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens + 2)).to(dtype).to(device)
-    out = fused_moe(x, gate_up, down, weights, ids, tiles)
+    scales = None
+    if fp8_group != 0:
+        from nanovllm.kernels.fused_moe import ExpertScales
+        gate_up, gu_scale, gate_up_ref = fp8_experts(gate_up, fp8_group)
+        down, down_scale, down_ref = fp8_experts(down, fp8_group)
+        scales = ExpertScales(gu_scale, down_scale, fp8_group)
+    out = fused_moe(x, gate_up, down, weights, ids, tiles, scales=scales)
+    if scales is not None:
+        gate_up, down = gate_up_ref, down_ref
     ref = fused_experts_torch(x.float(), gate_up.float(), down.float(), weights, ids)
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     assert torch.isfinite(out).all()
@@ -118,6 +137,14 @@ def test_fused_moe_many_experts_and_top_1():
     check_fused_moe(33, 4, 1, 32, 16, torch.float32, "uniform")
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [None, 16])
+@pytest.mark.parametrize("num_tokens", [1, 67])
+def test_fused_moe_fp8_experts(num_tokens, group):
+    # fp8 weights with scales per row or per 16 columns (K steps cut to the group), x in 16 bits
+    check_fused_moe(num_tokens, 8, 2, 64, 48, torch.float16, "skewed", fp8_group=group)
+
+
 def test_tiles_follow_the_batch():
     assert moe_tiles(8, 128, torch.bfloat16).block_m == 16  # decode, one token
     assert moe_tiles(256 * 8, 128, torch.bfloat16).block_m == 32  # 16 pairs per expert on average
@@ -142,6 +169,16 @@ def test_gpu_kernel_bf16_qwen3_30b_shape(num_tokens, load):
     s = QWEN3_30B_LAYER
     check_fused_moe(num_tokens, s["num_experts"], s["top_k"], s["hidden"], s["inter"], torch.bfloat16, load,
                     device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+@pytest.mark.parametrize("group", [None, 128])
+def test_gpu_kernel_fp8_qwen3_30b_shape(num_tokens, group):
+    # the Qwen3-30B-A3B-FP8 layout (128-column blocks) and per-row scales, bf16 activations
+    s = QWEN3_30B_LAYER
+    check_fused_moe(num_tokens, s["num_experts"], s["top_k"], s["hidden"], s["inter"], torch.bfloat16, "uniform",
+                    device="cuda", fp8_group=group)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,54 @@ def test_fused_step(rows):
     check_fused_step(rows, torch.float16)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [None, 32])
+def test_fused_step_on_fp8_weights(group):
+    # one row of fp8 projections, scales per row or per 32 columns, read by the folded kernels with their scales
+    check_fused_step(1, torch.float16, fp8_group=group)
+
+
+def test_fused_step_takes_one_row_of_fp8_weights():
+    # build on a dense decoder: 1 and 9-16 rows in 16 bits; with fp8 projections one row only (9-16 rows run the
+    # model, whose w8a16 kernel measured faster)
+    from types import SimpleNamespace
+
+    from nanovllm.kernels.fused_step import FusedDecodeStep
+    from nanovllm.models.decoder import DecoderFlags, DecoderModel
+    from nanovllm.quantization.config import QuantConfig
+    from nanovllm.quantization.fp8 import Fp8Linear
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=96, rms_norm_eps=1e-6, vocab_size=50, max_position_embeddings=64,
+                             num_hidden_layers=2)
+    model = SimpleNamespace(model=DecoderModel(config, DecoderFlags()).to(torch.float16))
+    step = FusedDecodeStep.build(model, torch.float16, torch.device("cuda"))
+    assert step.accepts(1) and step.accepts(12)
+    lin = model.model.layers[1].mlp.down_proj
+    lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+    lin.quant = Fp8Linear(QuantConfig("fp8"))
+    step = FusedDecodeStep.build(model, torch.float16, torch.device("cuda"))
+    assert step.accepts(1) and not step.accepts(12)
+
+
+def test_fused_step_takes_fp8_weights_and_declines_others():
+    # build: a 16-bit dense decoder or one with fp8 projections; a weight of another dtype (or quant method) declines
+    from types import SimpleNamespace
+
+    from nanovllm.kernels.fused_step import _takes
+    from nanovllm.layers.linear import ColumnParallelLinear
+    from nanovllm.quantization.config import QuantConfig
+    from nanovllm.quantization.fp8 import Fp8Linear
+    lin = ColumnParallelLinear(32, 16)
+    lin.weight.data = lin.weight.data.to(torch.bfloat16)
+    assert _takes(lin, torch.bfloat16) and not _takes(lin, torch.float16)
+    lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+    assert not _takes(lin, torch.bfloat16)  # fp8 without its method
+    lin.quant = Fp8Linear(QuantConfig("fp8"))
+    assert _takes(lin, torch.bfloat16)
+    lin.quant = SimpleNamespace()  # another method
+    assert not _takes(lin, torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_gpu_fused_step():
     # the fused step against the plain model in float16 at 16 and 9 rows (three layers of bfloat16 roundings, in
@@ -129,3 +177,11 @@ def test_gpu_layer_chain_under_pdl(rows, kv_dtype, fold, monkeypatch):
         inputs(i)
         want = [raw(t) for t in (*step(), *caches[0], *caches[1])]  # (fp8 compared as bytes)
         assert all(torch.equal(a, b) for a, b in zip(got[i], want)), f"replay {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [None, 32])
+def test_gpu_fused_step_on_fp8_weights(group):
+    # compiled: the folded one-row kernels read fp8 projections with their scales, against the dequantized model
+    torch.manual_seed(1)
+    check_fused_step(1, torch.float16, device="cuda", tolerance=dict(atol=1e-2, rtol=1e-2), fp8_group=group)

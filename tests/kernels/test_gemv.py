@@ -20,6 +20,52 @@ def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=N
     assert_close(out, ref, dtype, f"gemv m={m} n={n} k={k} bias={bias}")
 
 
+def fp8_weight(n: int, k: int, group: int | None, device="cpu"):
+    """(fp8 W [n, k], its WeightScale, W dequantized in float32): per-row scales (group None) or per row and group
+    of `group` columns (the last group may be short)."""
+    from nanovllm.kernels.gemv import WeightScale
+    from nanovllm.quantization.fp8 import dequantize, quantize_rows
+    w = torch.randn(n, k, device=device) * torch.exp(torch.randn(n, 1, device=device)) * k ** -0.5
+    if group is None:
+        q, scales = quantize_rows(w)
+    else:
+        groups = -(-k // group)
+        padded = torch.nn.functional.pad(w, (0, groups * group - k)).view(n, groups, group)
+        scales = padded.abs().amax(-1).clamp(min=1e-12) / 448.0
+        q = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(n, -1)[:, :k].contiguous()
+    return q, WeightScale(scales, group), dequantize(q, scales, group)
+
+
+def check_gemv_fp8(m: int, n: int, k: int, group: int | None, dtype, device="cpu", config=None):
+    """gemv on an fp8 W with its scales (x as it is) against F.linear on the dequantized W in float32; then the
+    folds: one row with the norm and residual add, or 2-16 rows with the norm split over two layers."""
+    from nanovllm.kernels.gemv import gemv, gemv_add_norm, gemv_folded, gemv_normed
+    from nanovllm.layers import layernorm
+    q, scale, w = fp8_weight(n, k, group, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    what = f"fp8 gemv m={m} n={n} k={k} group={group}"
+    assert_close(gemv(x, q, b, config=config, scale=scale), torch.nn.functional.linear(x.float(), w, b.float()),
+                 dtype, what)
+    nw = (torch.rand(k, device=device) + 0.5).to(dtype)
+    residual = (torch.randn(m, k, device=device) * 3).to(dtype)
+    if m == 1:
+        y, new_residual = gemv_folded(x, q, norm=(nw, 1e-6), residual=residual, scale=scale)
+        normed, ref_residual = layernorm.add_rms_norm(x, residual, nw, 1e-6)
+        assert torch.equal(new_residual, ref_residual)
+        assert_close(y, torch.nn.functional.linear(normed.float(), w), dtype, what + ", folded")
+        return
+    q2, scale2, w2 = fp8_weight(k, n, group, device)  # the layer before: [m, n] -> [m, k], + residual, norm
+    x2 = torch.randn(m, n, device=device).to(dtype)
+    h, rows = gemv_add_norm(x2, q2, None, residual, nw, 1e-6, config=config, scale=scale2)
+    ref_h = (torch.nn.functional.linear(x2.float(), w2).to(dtype).float() + residual.float()).to(dtype)
+    assert_close(h, ref_h.float(), dtype, what + ", add_norm")
+    # (the kernel's order: (h * nw) rounded, times W, times each row's rstd)
+    rstd = torch.rsqrt(ref_h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = torch.nn.functional.linear((ref_h.float() * nw.float()).to(dtype).float(), w) * rstd
+    assert_close(gemv_normed(rows, q, None, config=config, scale=scale), ref, dtype, what + ", normed")
+
+
 def check_gemv_fused(m: int, n: int, k: int, dtype, device="cpu"):
     """The small-batch kernel with the op before the layer: silu_and_mul (gated), RMSNorm with and without the
     residual add (folded into the one-row kernel, else separate kernels first), against the separate torch ops
@@ -113,6 +159,16 @@ def test_gemv_add_norm(m, n, k, n_next, configs, dtype):
     check_gemv_add_norm(m, n, k, n_next, dtype, configs)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("m,n,k,config", [(1, 48, 1000, None), (1, 40, 5000, None), (5, 64, 512, None),
+                                          (16, 96, 384, (32, 128, 4, 2, 3)), (7, 64, 256, (64, 128, 4, 4, 2, True))])
+def test_gemv_on_fp8_weights(m, n, k, config, group):
+    # fp8 W, scales per row or per row and 128 columns: the one-row kernel (ragged K: a short last group), the
+    # general kernel with one row past ROW_MAX_K, 2-16 rows plain, split over K, and swapped and split
+    check_gemv_fp8(m, n, k, group, torch.float16, config=config)
+
+
 def test_gemv_split_choice():
     # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns), o_proj and
     # down (K 2,048 and 3,072) at 2-16 rows, not for qkv (64 programs, K 1,024), the LM head or one row. K-splits
@@ -179,6 +235,16 @@ def test_gpu_gemv(rows):
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
         check_gemv(rows, n, k, torch.bfloat16, False, device="cuda")
     check_gemv(rows, 1000, 1000, torch.bfloat16, True, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 9, 16])
+@pytest.mark.parametrize("group", [None, 128])
+def test_gpu_gemv_on_fp8_weights(rows, group):
+    # the Qwen3-8B shapes (qkv, o, gate_up, down) with fp8 weights, in bf16 against float32
+    torch.manual_seed(rows)
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        check_gemv_fp8(rows, n, k, group, torch.bfloat16, device="cuda")
 
 
 @pytest.mark.gpu

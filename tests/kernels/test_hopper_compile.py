@@ -86,10 +86,14 @@ def reported(compiled_elsewhere: tuple[str, str] | None) -> bool:
 def _compile_for_hopper(fn, pointer_types: dict[str, str], constexprs: dict, **options):
     """Compile a @triton.jit kernel for sm_90 with no GPU present: catches code-generation errors (and shared-memory
     overflows) that the interpreter never sees. Pointers and strides are marked 16-divisible as a launch would."""
+    import inspect
+
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)}
+    constexprs = defaults | constexprs  # (a constexpr left out takes its default, as at a launch)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -311,6 +315,22 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
                                  SWAP=swap, PDL=True, ADD_NORM=fold == "add", SCALE_ROWS=fold.startswith("scale"),
                                  PARTS=16, GATED_OUT=fold.endswith("gated")),
                             num_warps=warps, num_stages=stages)
+    # fp8 weights (Qwen3-8B shapes: qkv; o_proj folded; down split): scales per row, and per row and 128 columns
+    for rows, n, k, fold in ((16, 6144, 4096, ""), (16, 4096, 4096, "add"), (1, 4096, 12288, ""),
+                             (9, 24576, 4096, "scale gated")):
+        for scale, group in ((1, 1), (2, 128)):
+            swap = gemv.swapped(rows, n, k)
+            block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k, swap)
+            block_k = min(block_k, 128) if scale == 2 else block_k
+            _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "b_ptr", "y_ptr", "res_ptr",
+                                                                         "xn_ptr", "nw_ptr")}
+                                | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
+                                   "sumsq_ptr": "*fp32", "eps": "fp32"},
+                                dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     HAS_BIAS=False, EVEN=True, SPLIT=False, SWAP=swap, PDL=True,
+                                     ADD_NORM=fold == "add", SCALE_ROWS=fold.startswith("scale"), PARTS=16,
+                                     GATED_OUT=fold.endswith("gated"), SCALE=scale, GROUP=group),
+                                num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
         block_n, block_k, warps = gemv.row_config(4096, k)
@@ -320,6 +340,11 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
             _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"eps": "fp32"},
                                 dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=True, GATED=gated, NORM=normed,
                                      ADD=add, PDL=pdl), num_warps=warps, launch_pdl=pdl)
+    for scale, group in ((1, 1), (2, 128)):  # fp8 weights, 8B's qkv after its norm and residual add
+        block_n, block_k, warps = gemv.row_config(6144, 4096)
+        _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
+                            dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GATED=False, NORM=True, ADD=True,
+                                 PDL=True, SCALE=scale, GROUP=group), num_warps=warps, launch_pdl=True)
     for draw, keyed in ((False, False), (True, False), (True, True)):
         for split in (False, True):
             _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
@@ -420,6 +445,13 @@ def test_moe_kernels_compile_for_hopper(compiled_elsewhere):
                             dict(TOP_K=8, **common), **launch)
         _compile_for_hopper(k._down_kernel, {n: t for n in ("act_ptr", "w_ptr", "out_ptr")} | index_ptrs
                             | {"weights_ptr": "*fp32"}, common, **launch)
+        if dtype == torch.bfloat16:  # fp8 experts: scales per row, and per row and 128 columns
+            for scale, group in ((1, 1), (2, 128)):
+                fp8 = common | dict(SCALE=scale, GROUP=group, BLOCK_K=min(tiles.block_k, 128))
+                _compile_for_hopper(k._gate_up_kernel, {n: t for n in ("x_ptr", "act_ptr")} | index_ptrs
+                                    | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(TOP_K=8, **fp8), **launch)
+                _compile_for_hopper(k._down_kernel, {n: t for n in ("act_ptr", "out_ptr")} | index_ptrs
+                                    | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "weights_ptr": "*fp32"}, fp8, **launch)
     step, _, _ = k._chunking(131072, 128)
     _compile_for_hopper(k._count_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, dict(STEP=step, BLOCK_E=128),
                         num_warps=4)

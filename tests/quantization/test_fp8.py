@@ -155,21 +155,45 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
 
 @pytest.mark.parametrize("fmt", ["qwen", "compressed-tensors"])
 def test_moe_checkpoints_in_fp8(tmp_path, fmt):
-    """Qwen3-MoE in fp8 (experts too, as Qwen3-30B-A3B-FP8): attention layers stay fp8, each expert is dequantized
-    as it is read (the fused MoE kernel takes 16-bit experts); transformers' tokens on the dequantized weights. An
-    expert without its scale is refused, named."""
+    """Qwen3-MoE in fp8 (experts too, as Qwen3-30B-A3B-FP8): transformers' tokens on the dequantized weights (on
+    CPU the experts are dequantized at load; tests/quantization/test_fp8_gpu.py runs them in fp8). An expert without
+    its scale, or with a misshapen one, is refused, named."""
     moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
                           head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=5)  # (several blocks)
     fp8, reference = make_fp8(moe, tmp_path / "fp8", fmt, tmp_path / "reference")
     prompts = prompts_of(5, [4, 33])
     with LLM(fp8, kvcache_block_size=16) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+    expected = [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    assert [out["token_ids"] for out in outs] == expected
+    if fmt == "qwen":  # 192 intermediate columns over two ranks: 96 each, not whole 128-column blocks
+        with pytest.raises(ValueError, match="split over 2 ranks into 96 columns each, not a whole number of the "
+                                             "checkpoint's 128-column scale blocks"):
+            LLM(fp8, tensor_parallel_size=2)
+    else:  # per-row scales: the experts' weights and scales sliced alike over two ranks
+        with LLM(fp8, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     scale = "weight_scale_inv" if fmt == "qwen" else "weight_scale"
     edit_tensors(fp8, drop=(f"model.layers.1.mlp.experts.2.up_proj.{scale}",))
-    with pytest.raises(ValueError, match=f"lacks model.layers.1.mlp.experts.2.up_proj.{scale}"):
+    with pytest.raises(ValueError, match=f"lacks weights for: model.layers.1.mlp.experts.2.up_proj.{scale}"):
         LLM(fp8)
+    edit_tensors(fp8, replace={f"model.layers.0.mlp.experts.1.down_proj.{scale}": torch.ones(3, 5)})
+    with pytest.raises(ValueError, match=f"experts.1.down_proj.{scale}'.*scale shape \\(3, 5\\) does not match"):
+        LLM(fp8)
+
+
+def test_online_fp8_quantizes_moe_experts_per_row(tmp_path):
+    """quantization="fp8" on an MoE checkpoint: the experts too are rounded through fp8 per row (the
+    compressed-tensors reference rounds every projection, experts included, per channel). (Under tensor
+    parallelism each rank rounds its own shard, so a row-parallel layer's rows get one scale per rank, as in vLLM:
+    not the reference's.)"""
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                          head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=6)
+    _, reference = make_fp8(moe, tmp_path / "unused", "compressed-tensors", tmp_path / "reference")
+    prompts = prompts_of(6, [4, 30])
+    expected = [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    with LLM(moe, quantization="fp8", kvcache_block_size=16) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
 # ---- the CUDA kernels, through Triton's interpreter (tests/quantization/test_fp8_gpu.py compiles them) ----------

@@ -52,14 +52,17 @@ def test_fp8_linear_against_float32(m, group):
     torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("fmt", ["qwen", "compressed-tensors", "online"])
-def test_engine_on_fp8_weights(fmt, tmp_path):
+@pytest.mark.parametrize("arch,fmt", [("qwen3", "qwen"), ("qwen3", "compressed-tensors"), ("qwen3", "online"),
+                                      ("qwen3_moe", "qwen"), ("qwen3_moe", "online")])
+def test_engine_on_fp8_weights(arch, fmt, tmp_path):
     """Greedy tokens in bf16 on CUDA: fp8 weights (activations quantized on the fly) against the same weights
     dequantized. This tiny random model's logits are close together, so activation rounding moves many of them:
     on CPU, transformers in float32 with the same per-group activation rounding agrees on 26 of these 64 tokens
-    (4 of 4 first tokens) for the block format. A broken path would agree by chance (1 in 400)."""
-    base = make_checkpoint(tmp_path / "base", "qwen3", tie=True, num_kv_heads=2, num_heads=4, head_dim=64,
-                           hidden=256, intermediate_size=512, seed=3)
+    (4 of 4 first tokens) for the block format. A broken path would agree by chance (1 in 400). qwen3_moe: the
+    experts in fp8 too, through the fused MoE kernel."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1)
+    base = make_checkpoint(tmp_path / "base", arch, tie=True, num_kv_heads=2, num_heads=4, head_dim=64,
+                           hidden=256, intermediate_size=512, seed=3, **(moe if arch == "qwen3_moe" else {}))
     fp8, reference = make_fp8(base, tmp_path / "fp8", "compressed-tensors" if fmt == "online" else fmt,
                               tmp_path / "reference")
     model, options = (base, {"quantization": "fp8"}) if fmt == "online" else (fp8, {})
@@ -73,5 +76,5 @@ def test_engine_on_fp8_weights(fmt, tmp_path):
             runs.append([o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)])
     first = [a[0] == b[0] for a, b in zip(*runs)]
     agree = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b))
-    print(f"{fmt}: first tokens equal {sum(first)}/{len(first)}, tokens equal {agree}/{16 * len(prompts)}")
+    print(f"{arch} {fmt}: first tokens equal {sum(first)}/{len(first)}, tokens equal {agree}/{16 * len(prompts)}")
     assert sum(first) >= 2 and agree >= 10
