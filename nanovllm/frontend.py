@@ -99,7 +99,11 @@ class Frontend:
             raise ValueError("chat_template_kwargs cannot set 'tokenize' or 'conversation': the engine renders the "
                              "conversation to text itself")
         options = {"add_generation_prompt": True, **options}
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        from jinja2.exceptions import TemplateError  # (transformers renders templates with jinja2)
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        except TemplateError as e:  # a template's raise_exception (roles that must alternate...): it says the fix
+            raise ValueError(f"the chat template refused the conversation: {e}") from e
         # The template already wrote any BOS it wants; encoding must not add another.
         return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
 

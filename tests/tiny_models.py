@@ -36,8 +36,8 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
                     head_dim: int | None = None, hidden: int = 64, layers: int = 2, seed: int = 0,
                     chat_template: str | None = None, **extra) -> str:
     """Save a tiny random model plus tokenizer into `path`; returns the path as str.
-    arch: qwen3, qwen2, llama, mistral, qwen3_moe or mixtral; extra: more config fields (rope_scaling,
-    sliding_window, num_experts, ...)."""
+    arch: qwen3, qwen2, llama, mistral, qwen3_moe, mixtral, gemma2 or gemma3 (Gemma3ForCausalLM); extra: more
+    config fields (rope_scaling, sliding_window, num_experts, ...)."""
     import transformers
     from transformers import AutoModelForCausalLM
     tok = _tokenizer()
@@ -47,16 +47,17 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
                   bos_token_id=None, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-6)
     cls = getattr(transformers, {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig",
                                  "mistral": "MistralConfig", "qwen3_moe": "Qwen3MoeConfig",
-                                 "mixtral": "MixtralConfig"}[arch])
+                                 "mixtral": "MixtralConfig", "gemma2": "Gemma2Config",
+                                 "gemma3": "Gemma3TextConfig"}[arch])
     if arch != "qwen2":
         common["head_dim"] = head_dim or hidden // num_heads
     common.update(extra)
     config = cls(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # biases are zero at init: make them matter
+    with torch.no_grad():  # biases are zero at init, and Gemma's norm weights (1 + w): make them matter
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or (arch.startswith("gemma") and name.endswith("norm.weight")):
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
     tok.chat_template = chat_template

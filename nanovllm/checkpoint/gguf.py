@@ -146,7 +146,10 @@ def convert_gguf(path: str, out_dir: str) -> None:
     meta = _Metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+        # (Gemma runs from its safetensors checkpoints; llama.cpp's Gemma files store norms as 1 + w, among others)
+        hint = " (load Gemma from its Hugging Face checkpoint directory)" if str(arch).startswith("gemma") else ""
+        raise ValueError(f"GGUF architecture {arch!r} is not supported{hint}; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
     tensor_names = {t.name for t in reader.tensors}
     config = _hf_config(meta, arch, tensor_names)
     config.save_pretrained(out_dir)

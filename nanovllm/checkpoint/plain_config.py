@@ -25,6 +25,9 @@ HF_CONFIG_FIELDS = (
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
     "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "eos_token_id",
     "dtype", "torch_dtype", "quantization_config",
+    # sliding windows and Gemma (models/decoder.py, models/__init__.py)
+    "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
+    "use_bidirectional_attention",
     # mixture of experts: the families' flags, decoder.moe_layer, tensor_parallel.check_tensor_parallel
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "n_shared_experts",
@@ -162,9 +165,10 @@ def _plain_config(raw: dict) -> PlainConfig:
         use_window = raw.get("use_sliding_window", False)
         if not isinstance(use_window, bool):
             raise _NotPlain(f"use_sliding_window={use_window!r}")
-        if use_window and "sliding_window" not in raw:  # its default (4096) is not relied on
-            raise _NotPlain("use_sliding_window without sliding_window")
-        fields["sliding_window"] = raw["sliding_window"] if use_window else None
+        if use_window:  # transformers gives the windowed layers (layer_types, from max_window_layers)
+            raise _NotPlain("use_sliding_window")
+        fields["sliding_window"] = None
+        fields["layer_types"] = ["full_attention"] * fields["num_hidden_layers"]
         if not _CHECKS["sliding_window"](fields["sliding_window"]):
             raise _NotPlain(f"sliding_window={fields['sliding_window']!r}")
 

@@ -29,6 +29,11 @@ bits). K tiles are widened and the scores multiplied by the K scales; the V scal
 the largest V scale seen so far so that p stays in [0, 1] (float16's range); the accumulator is kept in units of
 that scale (rescaled when it grows, like the running max), so p @ V accumulates inside the MMA. A float32 q (tests,
 float32 models) computes in float32.
+
+A sliding window (window > 0) keeps the keys after context_len - 1 - window: the splits then cut that run, from the
+tile holding its first key (keys before it in that tile are masked), so no program reads the keys the window
+drops and the grid is sized for the window, not the context bound. Soft-capped logits (Gemma 2) become
+cap * tanh(s / cap). Both keep to this kernel (not the TMA one), without the early launch.
 """
 import functools
 
@@ -39,6 +44,7 @@ import triton.language as tl
 from nanovllm.kernels.hopper import decode_tma
 from nanovllm.kernels.hopper.pdl import pdl_enabled, pdl_launch
 from nanovllm.kernels.paged_kv import fp8_pv, kv_rows, split_partials, token_major_rows
+from nanovllm.kernels.prefill import tanh
 from nanovllm.kernels.scratch import split_counters
 
 LOG2E = 1.4426950408889634
@@ -60,12 +66,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
                    stride_sb, stride_sh, stride_table, table_width,
-                   qk_scale, split_tiles,
+                   qk_scale, split_tiles, window, softcap,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                    V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr, SPLIT_IN_BLOCK: tl.constexpr,
                    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, EARLY: tl.constexpr = False,
-                   PREFETCH_TILES: tl.constexpr = 0):
+                   PREFETCH_TILES: tl.constexpr = 0, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     if PDL and not EARLY:  # the o_proj kernel after this one may start loading its weights (hopper/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -75,12 +81,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         first = split * split_tiles * BLOCK_N // BLOCK_SIZE
         split_block = tl.load(table_row_ptr + first, mask=first < table_width, other=0).to(tl.int64)
     context_len = tl.load(context_lens_ptr + seq)
+    first_key, origin = 0, 0  # (a window: its first key, and the start of the tile holding it)
+    if WINDOW:
+        first_key = tl.maximum(context_len - window, 0)
+        origin = first_key // BLOCK_N * BLOCK_N
+    span = context_len - origin  # the keys the splits cut
     # This split's share of the context: whole BLOCK_N tiles, so tiles never straddle two splits.
     num_splits = tl.num_programs(2)  # a run-time value: one compiled kernel for every split count
-    tiles_per_split = _tiles_per_split(context_len, split_tiles, num_splits, BLOCK_N)
-    start = split * tiles_per_split * BLOCK_N
+    tiles_per_split = _tiles_per_split(span, split_tiles, num_splits, BLOCK_N)
+    start = origin + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)  # empty (end <= start) for padding rows
-    direct = context_len <= tiles_per_split * BLOCK_N  # one split holds it all (or context 0: zeros)
+    direct = span <= tiles_per_split * BLOCK_N  # one split holds it all (or context 0: zeros)
     if start >= end and not (direct and split == 0):
         return  # (before any wait: the context lengths and tables are written before the step, by the host copy
         # or the copies ahead of a graph replay, never by a kernel of the step)
@@ -137,6 +148,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
             s = s * (k_scale * qk_scale)[None, :]
         else:
             s = s * qk_scale
+        if SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        if WINDOW:
+            mask_n = mask_n & (offs_n >= first_key)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
         alpha = tl.exp2(m_i - m_new)
@@ -163,7 +178,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_
         tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
         # the splits that hold part of the context (at most all of them, should a context pass the caller's bound:
         # a wrong answer then, but the counter still goes back to zero)
-        used = tl.minimum(tl.cdiv(tl.cdiv(context_len, BLOCK_N), tiles_per_split), num_splits)
+        used = tl.minimum(tl.cdiv(tl.cdiv(span, BLOCK_N), tiles_per_split), num_splits)
         counter = count_ptr + seq * tl.num_programs(1) + kv_head
         tl.debug_barrier()  # every thread's partials are written before this program counts itself (release)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last split merges
@@ -312,14 +327,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, scale: float, max_context_len: int | None = None,
                      num_splits: int | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-                     max_split_tokens: int | None = None) -> torch.Tensor:
+                     max_split_tokens: int | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; context_lens [batch] int32
     (0 allowed: output zeros); block_tables [batch, max_blocks] int32, -1 past each sequence's blocks.
     An fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32.
 
     max_context_len: an upper bound of context_lens (default: block_tables width x block_size); it and the shapes
     fix the grid. num_splits (tests: each context cut into that many equal runs) or max_split_tokens (benchmarks)
-    override the split heuristic; config (BLOCK_N, num_warps, num_stages) the tile choice (benchmarks).
+    override the split heuristic; config (BLOCK_N, num_warps, num_stages) the tile choice (benchmarks). window: each
+    query sees its last `window` keys only; softcap: scores s become softcap * tanh(s / softcap).
     Returns [batch, heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
@@ -336,7 +353,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_context_len = block_tables.size(1) * block_size
     group = num_heads // num_kv_heads
     quant = k_scale is not None
-    if num_splits is None and config is None and max_split_tokens is None:
+    plain = not window and not softcap
+    if num_splits is None and config is None and max_split_tokens is None and plain:
         programs, sms = batch * num_kv_heads, sm_count(q.device)
         stages = decode_tma.stages_for(programs, max_context_len, sms, quant)
         if stages and decode_tma.usable(q, k_cache, v_cache, k_scale, v_scale):  # (Hopper: decode_tma.py)
@@ -346,6 +364,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)
+    if window:  # the splits cut the window's keys, from the tile of its first: at most window + BLOCK_N - 1
+        max_context_len = min(max_context_len, window + block_n - 1)
     if num_splits is None:
         num_splits, split_tiles = decode_splits(batch, num_kv_heads, max_context_len, block_n, q.device,
                                                 max_split_tokens, quant)
@@ -353,20 +373,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         split_tiles = 0  # equal runs
     part_m, part_l, part_acc = split_partials(out, num_splits)
     counters = split_counters(q.device, batch * num_kv_heads)  # (one split: unused within the bound)
-    early = v_cache.stride(-1) == 1 and launched_early(split_tiles, block_size, block_n, head_dim, k_cache.dtype,
-                                                       q.device)
+    early = plain and v_cache.stride(-1) == 1 and launched_early(split_tiles, block_size, block_n, head_dim,
+                                                                 k_cache.dtype, q.device)
+    splits = split_constants(group, block_size, block_n, split_tiles)
+    if window:  # (a split's block depends on the context length)
+        splits["SPLIT_IN_BLOCK"] = False
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, out, part_m, part_l,
         part_acc, counters, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, block_tables.stride(0),
-        block_tables.size(1), scale * LOG2E, split_tiles,
+        block_tables.size(1), scale * LOG2E, split_tiles, window or 0, (softcap or 0.0) * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and v_cache.stride(1) == 1 and block_size % block_n == 0, PDL=pdl_enabled(q.device),
-        **split_constants(group, block_size, block_n, split_tiles), num_warps=warps, num_stages=stages,
+        **splits, WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages,
         EARLY=early, PREFETCH_TILES=prefetch_tiles(batch * num_kv_heads * num_splits, split_tiles, q.device) if early
         else 0, **pdl_launch(early),
     )

@@ -45,6 +45,8 @@ class FusedDecodeStep:
         layers = getattr(decoder, "layers", None)
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not layers:
             return None
+        if not decoder.flags.llama_layers:  # Gemma's norms, scaled embeddings, gelu: not what the folds compute
+            return None
         plain = (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp

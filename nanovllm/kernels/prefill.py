@@ -7,6 +7,11 @@ then the tiles on the diagonal (causal + length mask); tiles wholly above the di
 Keys read from an fp8 cache (QUANT, paged only) are handled as in the decode kernel: with a 16-bit q the dots run
 in float16 (fp8 widens to it exactly, in one instruction), the scores are scaled per key, and the V scales are
 folded into p, the accumulator kept in units of the largest V scale seen.
+
+A sliding window (window > 0: a query at position p sees keys p - window < key <= p) starts each tile's walk at
+the first key tile its first row sees and masks every tile (the rows of a tile start their windows at different
+keys, so a row may see no key of a tile: its running max stays -inf until one comes). A logit soft-cap (Gemma 2)
+turns each score s into cap * tanh(s / cap) before the softmax.
 """
 import torch
 import triton
@@ -20,12 +25,13 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr, k_scale_head_ptr,
                  v_scale_head_ptr, table_row_ptr, k_start, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd,
-                 stride_sb, qk_scale,
+                 stride_sb, qk_scale, window, softcap,
                  MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                 V_TOKEN_MAJOR: tl.constexpr):
+                 V_TOKEN_MAJOR: tl.constexpr, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """One online-softmax step over keys n0:n0+BLOCK_N. acc [BLOCK_M, HEAD_DIM], m_i/l_i [BLOCK_M] (log2 units);
-    QUANT: acc in units of v_top, the largest V scale so far (as in the decode kernel)."""
+    QUANT: acc in units of v_top, the largest V scale so far (as in the decode kernel). WINDOW: keys at or below
+    pos - window are masked too; SOFTCAP: softcap (log2 units) caps the scores."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < n_end  # all true for unmasked tiles; still bounds the block-table reads
@@ -55,13 +61,19 @@ def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_p
         s = s * (k_scale * qk_scale)[None, :]
     else:
         s = s * qk_scale
+    if SOFTCAP:
+        s = softcap * tanh(s / softcap)
     if MASKED:
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # Every row saw key 0 in the first tile visited, so m_new is finite and no NaN appears.
+    # Without a window every row saw key 0 in the first tile visited, so m_new is finite and no NaN appears; with
+    # one, a row that has seen no key yet keeps m = -inf: its exponents are taken against 0 (p = 0, acc = 0).
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if WINDOW else m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANT:  # V scales folded into p, acc in units of the largest so far
         acc, v_top = fp8_pv(acc, p, v, alpha, v_scale, v_top, PRECISION)
@@ -70,16 +82,23 @@ def _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_p
     return acc, m_new, l_i, v_top
 
 
+@triton.jit
+def tanh(x):
+    """tanh from one exp (saturates to +-1; Triton's core language has no tanh)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
 # the block-table width changes from batch to batch: one compiled kernel for every width, not one per
 # Triton specialization of it (1, a multiple of 16, other)
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr, cu_k_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
-                    stride_table, qk_scale,
+                    stride_table, qk_scale, window, softcap,
                     GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PRECISION: tl.constexpr, QUANT: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+                    PRECISION: tl.constexpr, QUANT: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
+                    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     # Heaviest tiles (the last ones of the longest sequences: most keys under the causal mask) start first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -115,18 +134,21 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_p
     first_pos = len_k - len_q + tile * BLOCK_M
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys below this are visible to every row of the tile
     n_end = len_k - len_q + tl.minimum((tile + 1) * BLOCK_M, len_q)  # one past the last row's last key
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i, v_top = _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr,
-                                            k_scale_head_ptr, v_scale_head_ptr, table_row_ptr, q_start, stride_kb,
-                                            stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
-                                            False, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT,
-                                            V_TOKEN_MAJOR)
+    if WINDOW:  # every tile masked, from the first the tile's first row sees
+        full_end = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i, v_top = _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr,
+                                                k_scale_head_ptr, v_scale_head_ptr, table_row_ptr, q_start,
+                                                stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, stride_sb,
+                                                qk_scale, window, softcap, False, PAGED, BLOCK_SIZE, BLOCK_N,
+                                                HEAD_DIM, PRECISION, QUANT, V_TOKEN_MAJOR, WINDOW, SOFTCAP)
     for n0 in range(full_end, n_end, BLOCK_N):
         acc, m_i, l_i, v_top = _attend_tile(acc, m_i, l_i, v_top, q, pos_m, n0, n_end, k_head_ptr, v_head_ptr,
                                             k_scale_head_ptr, v_scale_head_ptr, table_row_ptr, q_start, stride_kb,
                                             stride_kt, stride_vb, stride_vt, stride_vd, stride_sb, qk_scale,
-                                            True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION, QUANT,
-                                            V_TOKEN_MAJOR)
+                                            window, softcap, True, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PRECISION,
+                                            QUANT, V_TOKEN_MAJOR, WINDOW, SOFTCAP)
     if QUANT:
         acc = acc * v_top
     out = acc / l_i[:, None]
@@ -155,13 +177,15 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tup
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float,
                       block_tables: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """q [tokens, heads, head_dim] packed by cu_seqlens_q [num_seqs + 1] int32.
 
     block_tables None: k, v [tokens, kv_heads, head_dim] packed like q (causal self-attention).
     block_tables [num_seqs, max_blocks] int32: k, v are the caches [num_blocks, block_size, kv_heads, head_dim];
     sequence s attends over its first cu_seqlens_k[s+1] - cu_seqlens_k[s] cached tokens, its queries being the last
-    ones; an fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32. Returns
+    ones; an fp8 cache comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32. window: a query at
+    position p sees the keys after p - window only; softcap: scores s become softcap * tanh(s / softcap). Returns
     [tokens, heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -194,12 +218,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0, stride_table,
-        scale * LOG2E,
+        scale * LOG2E, window or 0, (softcap or 0.0) * LOG2E,
         GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         # unmasked V tiles only for an fp8 cache: the engine zeroes it, so bytes past a context are finite
         V_TOKEN_MAJOR=quant and stride_vt == 1 and block_size % block_n == 0,
-        num_warps=warps, num_stages=stages,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages,
     )
     return out

@@ -9,6 +9,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)  # in place: a second fresh output is costly on CPU for a long prefill
 
 
+class GeluTanhAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] -> gelu_tanh(first half) * second half (Gemma's MLP)."""
+        gate, up = x.chunk(2, -1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """On CUDA one Triton pass (kernels/activation.py); silu_and_mul above is its reference and the CPU path."""

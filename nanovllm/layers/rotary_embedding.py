@@ -22,8 +22,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-        if rope_type not in ("default", None, "llama3"):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+        if rope_type not in ("default", None, "llama3", "linear"):
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3, "
+                             "linear)")
         if torch.get_default_device().type == "meta":  # a layout copy (ModelRunner.check_weights): the shape is
             # enough, and arange on the meta device imports torch._refs (seconds of a CPU RL loop's first weight update)
             cache = torch.empty(max_position, head_dim, dtype=torch.float)
@@ -31,6 +32,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             if rope_type == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+                inv_freq = inv_freq / rope_scaling["factor"]
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
             cache = torch.cat([freqs.cos(), freqs.sin()], -1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -4,21 +4,46 @@ Every family is the one shared decoder in decoder.py; a family is only the flags
 from collections.abc import Callable
 from dataclasses import replace
 
-from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM, MoeSpec
+from nanovllm.models.decoder import DecoderFlags, DecoderForCausalLM, MoeSpec, layer_windows
+
+
+def _silu(config):
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
 
 
 def _qwen3_flags(config) -> DecoderFlags:
+    _silu(config)
     bias = bool(getattr(config, "attention_bias", False))
     return DecoderFlags(qk_norm=True, qkv_bias=bias, o_bias=bias)
 
 
 def _qwen2_flags(config) -> DecoderFlags:
+    _silu(config)
     return DecoderFlags(qkv_bias=True)  # Qwen2 always has q/k/v biases and none on o_proj
 
 
 def _llama_flags(config) -> DecoderFlags:
+    _silu(config)
     bias = bool(getattr(config, "attention_bias", False))
     return DecoderFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
+def _gemma_flags(config, qk_norm: bool) -> DecoderFlags:
+    """Gemma 2 (qk_norm False) and Gemma 3: (1 + w) RMSNorms around each sublayer, scaled embeddings, a gelu-tanh
+    MLP, query_pre_attn_scalar's attention scale, soft-capped scores and logits where the config says."""
+    act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden_activation {act!r} is not supported (Gemma's MLP: gelu_pytorch_tanh)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True (an embedding model's attention) is not supported: "
+                         "nanovllm generates with causal attention")
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderFlags(qk_norm=qk_norm, qkv_bias=bias, o_bias=bias, norm_offset=True, sandwich_norms=True,
+                        embed_scale=True, gelu=True, query_scale=config.query_pre_attn_scalar ** -0.5,
+                        attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
+                        final_softcap=getattr(config, "final_logit_softcapping", None) or None)
 
 
 # MoE config fields that describe what this engine does not do: (field, value that is fine, why it is not).
@@ -47,9 +72,7 @@ def _moe_spec(config, intermediate_size: int, renormalize: bool) -> MoeSpec:
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={top_k!r} must be between 1 and the number of experts "
                          f"({num_experts})")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    _silu(config)
     return MoeSpec(num_experts, top_k, intermediate_size, renormalize)
 
 
@@ -67,10 +90,21 @@ def _mixtral_flags(config) -> DecoderFlags:
 MODEL_FLAGS: dict[str, Callable[[object], DecoderFlags]] = {
     "Qwen3ForCausalLM": _qwen3_flags,
     "Qwen2ForCausalLM": _qwen2_flags,
-    "LlamaForCausalLM": _llama_flags,  # also SmolLM2, and Llama 3 rope scaling via rope_settings
-    "MistralForCausalLM": _llama_flags,  # the Llama decoder; sliding window checked in check_model_config
+    "LlamaForCausalLM": lambda config: replace(_llama_flags(config), windows=False),  # also SmolLM2, and Llama 3
+    # rope scaling via rope_settings
+    "MistralForCausalLM": _llama_flags,  # the Llama decoder, with its sliding window where the config has one
+    "Gemma2ForCausalLM": lambda config: _gemma_flags(config, qk_norm=False),  # soft-caps, alternating windows
+    "Gemma3ForCausalLM": lambda config: _gemma_flags(config, qk_norm=True),  # local and global layers
     "Qwen3MoeForCausalLM": _qwen3_moe_flags,  # Qwen3 attention; experts, and dense layers where the config says
     "MixtralForCausalLM": _mixtral_flags,  # Mistral attention; experts in every layer
+}
+
+
+# Checkpoints nanovllm recognizes and does not run, with what to do instead.
+REFUSED = {
+    "Gemma3ForConditionalGeneration": "a multimodal Gemma 3 checkpoint (vision tower and language model): nanovllm "
+                                      "runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM, such as gemma-3-1b-it, "
+                                      "or a text-only export of a larger one)",
 }
 
 
@@ -79,20 +113,17 @@ def _architecture(config) -> str:
     for arch in archs:
         if arch in MODEL_FLAGS:
             return arch
+    for arch in archs:
+        if arch in REFUSED:
+            raise ValueError(f"{arch} is not supported: {REFUSED[arch]}")
     raise ValueError(f"unsupported architecture {archs or '(config.json names none)'}; "
                      f"supported: {', '.join(MODEL_FLAGS)}")
 
 
 def check_model_config(config, max_model_len: int) -> None:
     """Fail early, before any weight is read, on a model this engine would run wrongly."""
-    MODEL_FLAGS[_architecture(config)](config)  # an MoE family's flags check its experts' config
-    # Sliding-window attention equals full attention while no sequence is longer than the window.
-    # (Qwen2/Qwen3 configs set sliding_window to None unless use_sliding_window is on.)
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < max_model_len:
-        raise ValueError(f"this model uses sliding-window attention (window {window} tokens), which nanovllm does "
-                         f"not implement; pass max_model_len <= {window} (now {max_model_len}) so every sequence "
-                         "fits in the window")
+    if MODEL_FLAGS[_architecture(config)](config).windows:  # (the families' flags check their config)
+        layer_windows(config)  # layer_types must cover every layer
 
 
 def build_model(config) -> DecoderForCausalLM:

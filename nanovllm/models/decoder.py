@@ -1,12 +1,14 @@
-"""One decoder for the Llama family. Qwen3, Qwen2, Llama and Mistral differ only by the flags in
-DecoderFlags (q/k RMSNorm, qkv bias, rope scaling), read from the Hugging Face config; Qwen3-MoE and Mixtral add
-`moe`, and each layer's MLP is then dense or mixture-of-experts as the config says (moe_layer)."""
+"""One decoder for the Llama family. Qwen3, Qwen2, Llama, Mistral, Gemma 2 and Gemma 3 differ only by the flags in
+DecoderFlags (q/k RMSNorm, qkv bias, rope scaling, Gemma's norms and soft-caps), read from the Hugging Face config;
+Qwen3-MoE and Mixtral add `moe`, and each layer's MLP is then dense or mixture-of-experts as the config says
+(moe_layer). Each layer's attention may have a sliding window (layer_windows): models interleave local and global
+layers, and a layer type may have its own rotary base (Gemma 3's local layers)."""
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -30,11 +32,28 @@ class DecoderFlags:
     o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
     mlp_bias: bool = False
     moe: MoeSpec | None = None  # mixture-of-experts MLP in the layers moe_layer picks
+    windows: bool = True  # the config's sliding window applies (Llama's architecture has none: a stray field)
+    # Gemma 2 and 3
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (q/k norms too)
+    sandwich_norms: bool = False  # each sublayer's output normed before the residual add; a norm before the MLP
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    gelu: bool = False  # gelu-tanh MLP (SiLU otherwise)
+    query_scale: float | None = None  # the attention scale (query_pre_attn_scalar ** -0.5), else head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores s -> cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+
+    @property
+    def llama_layers(self) -> bool:
+        """The Llama layer (pre-norms, SiLU): what kernels/fused_step.py folds."""
+        return not (self.norm_offset or self.sandwich_norms or self.embed_scale or self.gelu)
 
 
-def rope_settings(config) -> tuple[float, dict | None]:
-    """(rope_theta, rope scaling dict or None) from either the old or the transformers-5 config layout."""
+def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling dict or None) from either the old or the transformers-5 config layout; a layer
+    type's own parameters where the config keys them by layer type (Gemma 3)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
         params = {**scaling, **params}
@@ -50,12 +69,30 @@ def moe_layer(config, layer: int) -> bool:
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
+def layer_types(config) -> list[str]:
+    """Each layer's attention type, "sliding_attention" or "full_attention": the config's layer_types, else every
+    layer sliding where the config has a window (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        if len(types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
+        return list(types)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None."""
+    window = getattr(config, "sliding_window", None)
+    return [window if t == "sliding_attention" and window else None for t in layer_types(config)]
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding, window: int | None = None):
         super().__init__()
         hidden = config.hidden_size
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -65,13 +102,15 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=flags.o_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        scale = flags.query_scale or self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, window, flags.attn_softcap)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, flags.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, flags.norm_offset)
         half = self.head_dim // 2
-        self.rope_kernel_fits = half & (half - 1) == 0  # kernels/rope.py takes heads whose half is a power of two
+        # kernels/rope.py takes heads whose half is a power of two, and norms with Llama's rounding (not Gemma's)
+        self.rope_kernel_fits = half & (half - 1) == 0 and not flags.norm_offset
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
@@ -100,32 +139,39 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, config, flags: DecoderFlags):
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GeluTanhAndMul() if flags.gelu else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding, layer: int):
+    def __init__(self, config, flags: DecoderFlags, rotary_emb: RotaryEmbedding, layer: int,
+                 window: int | None = None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags, rotary_emb)
+        self.self_attn = DecoderAttention(config, flags, rotary_emb, window)
         moe = flags.moe
         if moe is not None and moe_layer(config, layer):
             self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
                                       moe.renormalize)
         else:
             self.mlp = DecoderMLP(config, flags)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, flags.norm_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.sandwich = flags.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(self, positions, hidden, residual):
+        if self.sandwich:  # Gemma: each sublayer's output is normed before it joins the stream (hidden is the
+            # whole stream here: no residual is carried between layers)
+            hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)))
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), None
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -138,20 +184,30 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, flags: DecoderFlags):
         super().__init__()
+        self.flags = flags
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        theta, scaling = rope_settings(config)
-        # One cos/sin cache for all layers: [max_position_embeddings, head_dim].
-        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList([DecoderLayer(config, flags, rotary_emb, i)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size ** 0.5 if flags.embed_scale else None
+        # One cos/sin cache [max_position_embeddings, head_dim] per rope setting: one for all layers, except where
+        # layer types have their own (Gemma 3's local layers)
+        caches: dict[str, RotaryEmbedding] = {}
+        layers = []
+        windows = layer_windows(config) if flags.windows else [None] * config.num_hidden_layers
+        for i, (kind, window) in enumerate(zip(layer_types(config), windows)):
+            theta, scaling = rope_settings(config, kind)
+            key = repr((theta, scaling))
+            if key not in caches:
+                caches[key] = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+            layers.append(DecoderLayer(config, flags, caches[key], i, window))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, flags.norm_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:  # (the scale rounded to the model's dtype first, as transformers does)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -183,5 +239,10 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, all_rows: bool = False) -> torch.Tensor | None:
-        """Logits of the rows the step's Context asks for (all_rows: of every row given)."""
-        return self.lm_head(hidden, all_rows)
+        """Logits of the rows the step's Context asks for (all_rows: of every row given); soft-capped where the
+        model says (Gemma 2)."""
+        logits = self.lm_head(hidden, all_rows)
+        cap = self.model.flags.final_softcap
+        if cap and logits is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -25,7 +25,7 @@ from tests.kernels.helpers import (
 
 def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
                  num_splits: int | None = None, device="cpu", kv_dtype=None, max_split_tokens: int | None = None,
-                 v_token_major: bool = False):
+                 v_token_major: bool = False, window: int | None = None, softcap: float | None = None):
     """num_splits None: the engine's split heuristic (splits of a fixed length, max_split_tokens if given);
     else each context cut into num_splits equal runs."""
     batch = len(context_lens)
@@ -39,6 +39,8 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
         k_cache, v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
     if v_token_major:  # the same values stored [blocks, kv_heads, head_dim, block_size]
         v_cache = token_major(v_cache)
+    fp8 = bool(extra)
+    extra |= {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
     tables = block_tables_for(context_lens, block_size, num_blocks, device)
     q = qkv_views(batch, heads, kv_heads, head_dim, dtype, device)[0]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
@@ -52,7 +54,7 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
         out = decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=num_splits, **extra)
     ref = reference(lambda *a: TorchAttention().decode(*a, **extra), q, k_cache, v_cache, context, scale)
     assert_close(out, ref, dtype, f"decode context_lens={context_lens} splits={num_splits} kv_dtype={kv_dtype} "
-                 f"max_split_tokens={max_split_tokens}", bool(extra))
+                 f"max_split_tokens={max_split_tokens} window={window} softcap={softcap}", fp8)
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros, like the reference
             assert torch.equal(out[s], torch.zeros_like(out[s]))
@@ -64,6 +66,19 @@ def check_decode(context_lens: list[int], block_size: int, heads: int, kv_heads:
 def test_decode(block_size, head_dim, group, dtype):
     # 1-token and long contexts, a padding row (context 0, table all -1); the heuristic splits the 600-long one
     check_decode([1, 600, 0, 37, 130], block_size, heads=group * 2, kv_heads=2, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window,softcap", [(16, None), (1, None), (100, None), (None, 0.5), (40, 0.5)])
+def test_decode_window_and_softcap(window, softcap):
+    # windows inside a key tile, of one key, across splits (600 and 130 long contexts), shorter contexts than the
+    # window, a padding row; forced equal splits too; an fp8 cache, V token-major
+    lens = [1, 600, 0, 37, 130]
+    check_decode(lens, 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, window=window, softcap=softcap)
+    check_decode(lens, 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, num_splits=3, window=window,
+                 softcap=softcap)
+    check_decode(lens, 256, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, kv_dtype=torch.float8_e4m3fn,
+                 v_token_major=True, window=window, softcap=softcap)
 
 
 @pytest.mark.interpreter

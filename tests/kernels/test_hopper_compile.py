@@ -264,6 +264,26 @@ def test_attention_kernels_compile_for_hopper(compiled_elsewhere):
                      PREFETCH_TILES={1: 2, 16: 1}.get(batch, 0) if not kv and dtype != torch.float32 else 0,
                      **decode.split_constants(group, 256, block_n, split_tiles)),
                 num_warps=warps, num_stages=stages)
+    # sliding windows and soft-capped scores (Gemma: head_dim 256; a 16-bit and an fp8 cache)
+    for head_dim, kv in ((256, None), (128, "*fp8e4nv")):
+        block_m, block_n, warps, stages = prefill._prefill_config(head_dim, torch.bfloat16, 4096)
+        _compile_for_hopper(
+            prefill._prefill_kernel, {n: "*bf16" for n in ("q_ptr", "o_ptr")}
+            | {n: kv or "*bf16" for n in ("k_ptr", "v_ptr")} | {n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")}
+            | {n: "*i32" for n in ("cu_q_ptr", "cu_k_ptr", "table_ptr")} | {"softcap": "fp32"},
+            dict(GROUP=4, PAGED=True, BLOCK_SIZE=256, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                 PRECISION="tf32", QUANT=kv is not None, V_TOKEN_MAJOR=kv is not None, WINDOW=True, SOFTCAP=True),
+            num_warps=warps, num_stages=stages)
+        block_n, warps, stages = decode._decode_config(head_dim, torch.bfloat16, kv is not None, kv is not None, 256)
+        _compile_for_hopper(
+            decode._decode_kernel, {n: "*bf16" for n in ("q_ptr", "o_ptr")}
+            | {n: kv or "*bf16" for n in ("k_cache_ptr", "v_cache_ptr")}
+            | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")}
+            | {n: "*i32" for n in ("context_lens_ptr", "table_ptr", "count_ptr")} | {"softcap": "fp32"},
+            dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=256, BLOCK_N=block_n, HEAD_DIM=head_dim, PRECISION="tf32",
+                 QUANT=kv is not None, V_TOKEN_MAJOR=kv is not None, PDL=True, WINDOW=True, SOFTCAP=True,
+                 **{**decode.split_constants(4, 256, block_n, 4), "SPLIT_IN_BLOCK": False}),
+            num_warps=warps, num_stages=stages)
     for kv, fp8_max in ((None, 1.0), ("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)):
         _compile_for_hopper(store_kvcache._store_kvcache_kernel,
                             {n: "*bf16" for n in ("k_ptr", "v_ptr")} | {n: kv or "*bf16" for n in ("k_cache_ptr",

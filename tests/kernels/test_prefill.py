@@ -24,7 +24,8 @@ from tests.kernels.helpers import (
 
 
 def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, heads: int, kv_heads: int,
-                  head_dim: int, dtype, device="cpu", kv_dtype=None, v_token_major: bool = False):
+                  head_dim: int, dtype, device="cpu", kv_dtype=None, v_token_major: bool = False,
+                  window: int | None = None, softcap: float | None = None):
     """lens_k None: no history (keys are the fresh k, v). Else sequence s has lens_k[s] cached tokens, the last
     lens_q[s] of them new, read through block tables (an fp8 cache with its scales when kv_dtype is given)."""
     tokens = sum(lens_q)
@@ -46,9 +47,12 @@ def check_prefill(lens_q: list[int], lens_k: list[int] | None, block_size: int, 
     context = Context(True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                       max_seqlen_k=max_k, block_tables=tables)
     extra = dict(zip(("k_scale", "v_scale"), scales)) if kv_dtype is not None and lens_k is not None else {}
+    fp8 = bool(extra)
+    extra |= {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
     out = TritonAttention().prefill(q, k, v, k_cache, v_cache, context, scale, **extra)
     ref = reference(lambda *a: TorchAttention().prefill(*a, **extra), q, k, v, k_cache, v_cache, context, scale)
-    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k} kv_dtype={kv_dtype}", bool(extra))
+    assert_close(out, ref, dtype, f"prefill lens_q={lens_q} lens_k={lens_k} kv_dtype={kv_dtype} window={window} "
+                 f"softcap={softcap}", fp8)
 
 
 @pytest.mark.interpreter
@@ -68,6 +72,19 @@ def test_prefill_history(block_size, head_dim, group, dtype):
     # and 3 of 65: the first query sits at 62, just before a key-tile edge (unmasked/masked loop boundary)
     check_prefill([40, 1, 17, 64, 3], [300, 70, 17, 130, 65], block_size, heads=2 * group, kv_heads=2,
                   head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window,softcap", [(16, None), (1, None), (100, None), (None, 0.5), (24, 0.5)])
+def test_prefill_window_and_softcap(window, softcap):
+    # windows shorter than a key tile, of one key, past a tile edge; soft-capped scores (q, k ~ N(0, 1): scores
+    # reach several caps); fresh prompts and chunks over a history (the 3-of-65 chunk sees only cached keys)
+    check_prefill([1, 17, 300], None, 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, window=window,
+                  softcap=softcap)
+    check_prefill([40, 1, 64, 3], [300, 70, 130, 65], 16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16,
+                  window=window, softcap=softcap)
+    check_prefill([40, 1], [300, 70], 32, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16,
+                  kv_dtype=torch.float8_e4m3fn, window=window, softcap=softcap)
 
 
 # fp8 caches: values written by the torch reference (the interpreter's float32 -> float8 conversion is wrong at

@@ -139,17 +139,20 @@ def test_truncated_gguf_file(tiny_llama, gguf_cache, tmp_path):
     assert not os.path.exists(root) or os.listdir(root) == []  # nothing half-written is left to be reused
 
 
-def test_unsupported_gguf_architecture(tmp_path):
+@pytest.mark.parametrize("arch,hint", [("gpt2", ""), ("gemma3", " (load Gemma from its Hugging Face checkpoint "
+                                                                   "directory)")])
+def test_unsupported_gguf_architecture(tmp_path, arch, hint):
     import gguf
-    path = str(tmp_path / "gpt2.gguf")
-    writer = gguf.GGUFWriter(path, "gpt2")
+    path = str(tmp_path / f"{arch}.gguf")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError) as err:
         LLM(path)
+    assert f"'{arch}' is not supported{hint}; supported: llama, qwen2, qwen3" in str(err.value)
 
 
 def _metadata_only_gguf(path, skip: tuple[str, ...] = (), **extra) -> str:

@@ -95,18 +95,41 @@ def test_unknown_architecture_lists_supported(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
         LLM(path)
-    for arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"):
+    for arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
+                 "Gemma3ForCausalLM"):
         assert arch in str(err.value)
 
 
-def test_sliding_window_shorter_than_max_model_len(tmp_path):
-    path = make_checkpoint(tmp_path, "mistral", tie=False, sliding_window=32)
-    with pytest.raises(ValueError, match="max_model_len <= 32"):
-        LLM(path, max_model_len=256)
-    # Within the window, sliding-window attention is full attention.
-    with LLM(path, max_model_len=32, num_kvcache_blocks=4, kvcache_block_size=16) as llm:
-        out = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
-    assert out["token_ids"] == hf_greedy(path, PROMPTS[1], GREEDY.max_tokens)
+def test_windows_per_layer():
+    # Mistral windows every layer, Qwen2 the layers its layer_types name, Gemma 2 alternates; LlamaForCausalLM has
+    # no sliding window, so a stray sliding_window field in its config is ignored
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from nanovllm.models import build_model
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, num_hidden_layers=3)
+    cases = [(MistralConfig(sliding_window=8, architectures=["MistralForCausalLM"], **small), [8, 8, 8]),
+             (Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                          architectures=["Qwen2ForCausalLM"], **small), [None, 8, 8]),
+             (Gemma2Config(sliding_window=8, architectures=["Gemma2ForCausalLM"], **small), [8, None, 8]),
+             (LlamaConfig(architectures=["LlamaForCausalLM"], **small), [None] * 3)]
+    cases[-1][0].sliding_window = 8
+    for config, windows in cases:
+        model = build_model(config)
+        assert [layer.self_attn.attn.window for layer in model.model.layers] == windows, type(config).__name__
+
+
+def test_multimodal_gemma3_and_bad_layer_types_are_refused(tmp_path):
+    from tests.tiny_models import edit_json
+    path = make_checkpoint(tmp_path, "gemma3", query_pre_attn_scalar=16, sliding_window=8)
+    edit_json(os.path.join(path, "config.json"), architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration is not supported: a multimodal Gemma 3 "
+                                         "checkpoint"):
+        LLM(path)
+    edit_json(os.path.join(path, "config.json"), architectures=["Gemma3ForCausalLM"],
+              layer_types=["sliding_attention"] * 3)
+    with pytest.raises(Exception, match="layer_types"):  # (transformers refuses it first, with its own error)
+        LLM(path)
 
 
 def test_checkpoint_names_route_by_whole_segments():

@@ -34,9 +34,15 @@ class Attention(nn.Module):
     """Stores the new K/V in this layer's cache slice, then attends. The model runner binds the cache (`bind`)
     and the backend after the KV cache is allocated."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, window: int | None = None,
+                 softcap: float | None = None):
+        """window: this layer attends to the last `window` keys only (sliding-window layers); softcap: its scores
+        are soft-capped (cap * tanh(s / cap))."""
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.window, self.softcap = window, softcap
+        # (passed to the backend only when set: a backend without them still serves every other model)
+        self.options = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
         self.k_cache = self.v_cache = torch.tensor([])
         self.scales: dict[str, torch.Tensor] = {}  # an fp8 cache: k_scale and v_scale [blocks, kv_heads, block_size]
         self.backend: AttentionBackend | None = None
@@ -64,5 +70,5 @@ class Attention(nn.Module):
         if not stored and k_cache.numel() and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, **self.scales)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale, **self.scales)
-        return self.backend.decode(q, k_cache, v_cache, context, self.scale, **self.scales)
+            return self.backend.prefill(q, k, v, k_cache, v_cache, context, self.scale, **self.scales, **self.options)
+        return self.backend.decode(q, k_cache, v_cache, context, self.scale, **self.scales, **self.options)

@@ -12,6 +12,8 @@ class AttentionBackend:
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
     An fp8 cache (layers/attention/fp8.py) comes with k_scale, v_scale [num_blocks, kv_heads, block_size] float32:
     stores quantize into it, and attention over cached K/V dequantizes; fresh k, v are used as they are.
+    A layer may pass window (a query at position p sees keys p - window < key <= p: sliding-window layers) and
+    softcap (scores s become softcap * tanh(s / softcap): Gemma 2) to prefill and decode.
 
     Each backend also builds its own per-step metadata (the Context) from the runner's host-side lists, and the
     static buffers a decode CUDA graph reads, so the runner and the graphs never name its fields.
@@ -84,12 +86,14 @@ class AttentionBackend:
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, context: Context, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Causal attention over packed sequences; with context.block_tables, keys and values come
         from the cache (which already holds the new tokens) so cached history is included."""
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context,
-               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """One query per sequence over its first context_lens[s] cached tokens."""
         raise NotImplementedError

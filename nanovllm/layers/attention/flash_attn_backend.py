@@ -31,17 +31,25 @@ class FlashAttention(AttentionBackend):
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         self._store(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, window=None, softcap=None):
         if context.block_tables is not None:  # history + new tokens are all in the cache
             _check_paged_block_size(k_cache)
             k, v = k_cache, v_cache
         return self._varlen(q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
                             max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-                            softmax_scale=scale, causal=True, block_table=context.block_tables)
+                            softmax_scale=scale, causal=True, block_table=context.block_tables,
+                            **_window_softcap(window, softcap))
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale):
+    def decode(self, q, k_cache, v_cache, context: Context, scale, window=None, softcap=None):
         _check_paged_block_size(k_cache)
         # q [batch, heads, head_dim] -> one query per sequence: [batch, 1, heads, head_dim]
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-                                 block_table=context.block_tables, softmax_scale=scale, causal=True)
+                                 block_table=context.block_tables, softmax_scale=scale, causal=True,
+                                 **_window_softcap(window, softcap))
         return out.squeeze(1)
+
+
+def _window_softcap(window: int | None, softcap: float | None) -> dict:
+    """flash-attn's arguments: window_size=(left, right) keys around the query (a window of W keys ending at the
+    query is W - 1 to its left), softcap 0 for none."""
+    return dict(window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap or 0.0)

@@ -1,4 +1,7 @@
-"""Pure-torch attention over the paged KV cache: the CPU path and the reference for other backends."""
+"""Pure-torch attention over the paged KV cache: the CPU path and the reference for other backends.
+
+A sliding window (a query at position p sees keys p - window < key <= p) is a mask; soft-capped logits (Gemma 2:
+cap * tanh(s / cap)) need the scores themselves, so those layers take `_sdpa`'s explicit path."""
 import math
 
 import torch
@@ -7,6 +10,25 @@ import torch.nn.functional as F
 from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.fp8 import dequantize, quantize, raw
 from nanovllm.layers.context import Context
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention, or with softcap the same product written out: scores * scale, capped, the
+    mask (True: attend), softmax in float32."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa:
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -53,7 +75,8 @@ class TorchAttention(AttentionBackend):
             else:  # an fp8 V, stored token-major
                 raw(cache)[slots // cache.size(1), slots % cache.size(1)] = raw(x)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None, window=None,
+                softcap=None):
         out = torch.empty_like(q)
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
         for s in range(len(cu_q) - 1):
@@ -64,24 +87,26 @@ class TorchAttention(AttentionBackend):
                 vs = gather_kv(v_cache, context.block_tables[s], len_k, v_scale).to(q.dtype)
             else:
                 ks, vs = k[q0:q1], v[q0:q1]
-            if len_q == len_k:  # no history: causal from the top left; without a mask SDPA's fused CPU kernel
-                # takes enable_gqa and skips the masked half
-                o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1)[None], ks.transpose(0, 1)[None],
-                                                   vs.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                   enable_gqa=q.size(1) != ks.size(1))
+            if len_q == len_k and not window:  # no history: causal from the top left; without a mask SDPA's fused
+                # CPU kernel takes enable_gqa and skips the masked half
+                o = _sdpa(q[q0:q1].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None,
+                          scale, softcap, is_causal=True, enable_gqa=q.size(1) != ks.size(1))
                 out[q0:q1] = o[0].transpose(0, 1)
                 continue
-            # query i sits at position len_k - len_q + i and sees keys up to there
+            # query i sits at position len_k - len_q + i and sees keys up to there (and, with a window, after
+            # that minus the window)
             rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
-            mask = torch.arange(len_k, device=q.device).unsqueeze(0) <= rows
+            keys = torch.arange(len_k, device=q.device).unsqueeze(0)
+            mask = keys <= rows
+            if window:
+                mask &= keys > rows - window
             # The query heads of one KV head become rows of one attention (head h = kv_head * group + g), and the
             # inputs are 4-D: so SDPA runs its fused CPU kernel (with enable_gqa, or 3-D inputs, and a mask it
             # takes the math path, several times slower).
             heads, kv_heads, head_dim = q.size(1), ks.size(1), q.size(2)
             group = heads // kv_heads
             qs = q[q0:q1].transpose(0, 1).reshape(1, kv_heads, group * len_q, head_dim)
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                                               attn_mask=mask.repeat(group, 1), scale=scale)
+            o = _sdpa(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], mask.repeat(group, 1), scale, softcap)
             out[q0:q1] = o.reshape(heads, len_q, head_dim).transpose(0, 1)  # (SDPA's output may be strided)
         return out
 
@@ -137,7 +162,8 @@ class TorchAttention(AttentionBackend):
             rows = torch.index_select(src, 0, flat, out=self._buffer(buffer, (flat.numel(), *src.shape[1:]), src))
         return rows.view(*blocks.shape, *cache.shape[2:]).view(cache.dtype)
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None, window=None,
+               softcap=None):
         """Per group of sequences of similar length (_groups_for): gathers each sequence's tokens up to the group's
         longest context (not whole blocks), then one SDPA with a KV head's query heads as its rows (4-D inputs,
         no enable_gqa: torch's fused CPU kernel). Positions past a sequence's own context read its last real token,
@@ -155,8 +181,11 @@ class TorchAttention(AttentionBackend):
                 k = dequantize(k, k_scale[blocks, :, offsets])
                 v = dequantize(v, v_scale[blocks, :, offsets])
             qs = q[ids].view(n, num_kv_heads, group, head_dim).float()
-            o = F.scaled_dot_product_attention(qs, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-                                               attn_mask=valid, scale=scale)
+            if window:  # only each sequence's last `window` keys
+                keys = torch.arange(length, device=q.device)
+                recent = (keys >= (context.context_lens[ids].long() - window).unsqueeze(1))[:, None, None, :]
+                valid = recent if valid is None else valid & recent
+            o = _sdpa(qs, k.transpose(1, 2).float(), v.transpose(1, 2).float(), valid, scale, softcap)
             out[ids] = o.reshape(n, num_heads, head_dim)
         # a context of 0 (no key at all) gives NaN rows: zeros, as the kernels write
         return out.nan_to_num_(0.0).to(q.dtype)

@@ -19,14 +19,16 @@ class TritonAttention(AttentionBackend):
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None, window=None,
+                softcap=None):
         if context.block_tables is not None:  # keys/values (history + new tokens) come from the cache
             k, v = k_cache, v_cache
         return prefill_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q, scale,
-                                 context.block_tables, k_scale, v_scale)
+                                 context.block_tables, k_scale, v_scale, window, softcap)
 
-    def decode(self, q: torch.Tensor, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def decode(self, q: torch.Tensor, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None,
+               window=None, softcap=None):
         # Grid from shapes only (CUDA graphs): the table width bounds every context length.
         max_context_len = context.block_tables.size(1) * k_cache.size(1)
         return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale,
-                                max_context_len, k_scale=k_scale, v_scale=v_scale)
+                                max_context_len, k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
