@@ -27,7 +27,7 @@ HF_CONFIG_FIELDS = (
     "dtype", "torch_dtype", "quantization_config",
     # sliding windows and Gemma (models/decoder.py, models/__init__.py)
     "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
-    "use_bidirectional_attention",
+    "use_bidirectional_attention", "sliding_window_pattern", "rope_local_base_freq",
     # mixture of experts: the families' flags, decoder.moe_layer, tensor_parallel.check_tensor_parallel
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "n_shared_experts",
@@ -143,6 +143,8 @@ def _plain_config(raw: dict) -> PlainConfig:
     for key in _TRANSFORMERS_ONLY:
         if key in raw:
             raise _NotPlain(f"it has {key!r}")
+    if "layer_types" in raw and not family.window_needs_flag:  # (Llama and Mistral configs declare none)
+        raise _NotPlain("layer_types")
     fields = {name: raw[name] for name in HF_CONFIG_FIELDS if name in raw}  # undeclared ones stay as they are
     for name in family.required:
         if name not in raw:

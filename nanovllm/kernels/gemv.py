@@ -243,7 +243,8 @@ def _has_wgmma(device: torch.device) -> bool:
 def gemv_config(m: int, n: int, k: int, swap: bool = False, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest on Hopper, for the Qwen3-0.6B shapes, of the tiles
     benchmarks/small_gemm.py --sweep (--swap) tries; swap: the swapped product's (swapped()). One row of an fp8 W
-    (itemsize 1; Qwen3-8B's down projection, K 12,288) steps twice as far along K: the same bytes a step."""
+    (itemsize 1; Qwen3-8B's down projection, K 12,288) steps twice as far along K: the same bytes a step (block-scaled
+    weights then step one block: _general)."""
     if m == 1:
         return 8, 512 * 2 // itemsize if itemsize <= 2 else 512, 4, 3
     if swap:
@@ -361,13 +362,15 @@ def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | N
     return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out, scale=scale)
 
 
-def _scale_args(scale: "WeightScale | None", block_k: int, y: torch.Tensor) -> tuple:
-    """(s_ptr, stride_s, SCALE, GROUP) kernel arguments for `scale`, with BLOCK_K block_k."""
+def _scale_args(scale: "WeightScale | None", y: torch.Tensor, row_block_k: int | None = None) -> tuple:
+    """(s_ptr, stride_s, SCALE, GROUP) kernel arguments for `scale`. The one-row kernel (row_block_k: its BLOCK_K,
+    the whole row) takes a group no wider than that (one group: the row); the general kernel the group itself."""
     if scale is None:
         return y, 0, 0, 1
     if scale.group is None:
         return scale.scales, 0, 1, 1
-    return scale.scales, scale.scales.stride(0), 2, min(scale.group, block_k)
+    group = scale.group if row_block_k is None else min(scale.group, row_block_k)
+    return scale.scales, scale.scales.stride(0), 2, group
 
 
 def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale=None):
@@ -377,7 +380,7 @@ def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale
     res_out = torch.empty_like(residual) if residual is not None else y
     residual = residual.contiguous() if residual is not None else x
     block_n, block_k, warps = row_config(n, k)
-    s_ptr, stride_s, scaled, group = _scale_args(scale, block_k, y)
+    s_ptr, stride_s, scaled, group = _scale_args(scale, y, block_k)
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
         res_out, s_ptr, n, k, weight.stride(0), stride_s, norm[1] if norm is not None else 0.0, BLOCK_N=block_n,
@@ -413,7 +416,7 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
         sumsq = scratch(x.device, "gemv_sumsq", parts * block_m, torch.float32)
     elif normed is not None:
         sumsq, parts, eps = normed.sumsq, normed.parts, normed.eps
-    s_ptr, stride_s, scaled, group = _scale_args(scale, block_k, y)
+    s_ptr, stride_s, scaled, group = _scale_args(scale, y)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),

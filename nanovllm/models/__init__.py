@@ -32,7 +32,9 @@ def _llama_flags(config) -> DecoderFlags:
 
 def _gemma_flags(config, qk_norm: bool) -> DecoderFlags:
     """Gemma 2 (qk_norm False) and Gemma 3: (1 + w) RMSNorms around each sublayer, scaled embeddings, a gelu-tanh
-    MLP, query_pre_attn_scalar's attention scale, soft-capped scores and logits where the config says."""
+    MLP, query_pre_attn_scalar's attention scale, soft-capped scores and logits where the config says; without
+    layer_types (transformers 4), Gemma 2's odd layers and every sliding_window_pattern-th layer of Gemma 3 are
+    global."""
     act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"hidden_activation {act!r} is not supported (Gemma's MLP: gelu_pytorch_tanh)")
@@ -43,7 +45,8 @@ def _gemma_flags(config, qk_norm: bool) -> DecoderFlags:
     return DecoderFlags(qk_norm=qk_norm, qkv_bias=bias, o_bias=bias, norm_offset=True, sandwich_norms=True,
                         embed_scale=True, gelu=True, query_scale=config.query_pre_attn_scalar ** -0.5,
                         attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
-                        final_softcap=getattr(config, "final_logit_softcapping", None) or None)
+                        final_softcap=getattr(config, "final_logit_softcapping", None) or None,
+                        window_pattern=getattr(config, "sliding_window_pattern", None) or 6 if qk_norm else 2)
 
 
 # MoE config fields that describe what this engine does not do: (field, value that is fine, why it is not).
@@ -122,8 +125,9 @@ def _architecture(config) -> str:
 
 def check_model_config(config, max_model_len: int) -> None:
     """Fail early, before any weight is read, on a model this engine would run wrongly."""
-    if MODEL_FLAGS[_architecture(config)](config).windows:  # (the families' flags check their config)
-        layer_windows(config)  # layer_types must cover every layer
+    flags = MODEL_FLAGS[_architecture(config)](config)  # (the families' flags check their config)
+    if flags.windows:
+        layer_windows(config, flags.window_pattern)  # layer_types must cover every layer
 
 
 def build_model(config) -> DecoderForCausalLM:

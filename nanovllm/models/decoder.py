@@ -33,6 +33,7 @@ class DecoderFlags:
     mlp_bias: bool = False
     moe: MoeSpec | None = None  # mixture-of-experts MLP in the layers moe_layer picks
     windows: bool = True  # the config's sliding window applies (Llama's architecture has none: a stray field)
+    window_pattern: int | None = None  # without layer_types: every window_pattern-th layer is global (Gemma)
     # Gemma 2 and 3
     norm_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (q/k norms too)
     sandwich_norms: bool = False  # each sublayer's output normed before the residual add; a norm before the MLP
@@ -50,10 +51,13 @@ class DecoderFlags:
 
 def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling dict or None) from either the old or the transformers-5 config layout; a layer
-    type's own parameters where the config keys them by layer type (Gemma 3)."""
+    type's own parameters where the config keys them by layer type (Gemma 3; in transformers 4's layout its local
+    layers' base is rope_local_base_freq, unscaled)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     if isinstance(params.get(layer_type), dict):
         params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        return float(config.rope_local_base_freq), None
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
         params = {**scaling, **params}
@@ -69,22 +73,25 @@ def moe_layer(config, layer: int) -> bool:
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
-def layer_types(config) -> list[str]:
-    """Each layer's attention type, "sliding_attention" or "full_attention": the config's layer_types, else every
-    layer sliding where the config has a window (Mistral)."""
+def layer_types(config, pattern: int | None = None) -> list[str]:
+    """Each layer's attention type, "sliding_attention" or "full_attention": the config's layer_types; else, with a
+    window, every `pattern`-th layer global (Gemma's rule in transformers 4's configs) or every layer sliding
+    (Mistral)."""
     types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
     if types is not None:
-        if len(types) != config.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
         return list(types)
-    sliding = getattr(config, "sliding_window", None) is not None
-    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    if getattr(config, "sliding_window", None) is None:
+        return ["full_attention"] * n
+    return ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
-def layer_windows(config) -> list[int | None]:
+def layer_windows(config, pattern: int | None = None) -> list[int | None]:
     """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None."""
     window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in layer_types(config)]
+    return [window if t == "sliding_attention" and window else None for t in layer_types(config, pattern)]
 
 
 def head_dim_of(config) -> int:
@@ -191,8 +198,9 @@ class DecoderModel(nn.Module):
         # layer types have their own (Gemma 3's local layers)
         caches: dict[str, RotaryEmbedding] = {}
         layers = []
-        windows = layer_windows(config) if flags.windows else [None] * config.num_hidden_layers
-        for i, (kind, window) in enumerate(zip(layer_types(config), windows)):
+        pattern = flags.window_pattern
+        windows = layer_windows(config, pattern) if flags.windows else [None] * config.num_hidden_layers
+        for i, (kind, window) in enumerate(zip(layer_types(config, pattern), windows)):
             theta, scaling = rope_settings(config, kind)
             key = repr((theta, scaling))
             if key not in caches:

@@ -162,11 +162,19 @@ def test_gemv_add_norm(m, n, k, n_next, configs, dtype):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("group", [None, 128])
 @pytest.mark.parametrize("m,n,k,config", [(1, 48, 1000, None), (1, 40, 5000, None), (5, 64, 512, None),
-                                          (16, 96, 384, (32, 128, 4, 2, 3)), (7, 64, 256, (64, 128, 4, 4, 2, True))])
+                                          (16, 96, 384, (32, 128, 4, 2, 3)), (7, 64, 256, (64, 128, 4, 4, 2, True)),
+                                          (5, 32, 512, (32, 64, 4, 2))])
 def test_gemv_on_fp8_weights(m, n, k, config, group):
     # fp8 W, scales per row or per row and 128 columns: the one-row kernel (ragged K: a short last group), the
-    # general kernel with one row past ROW_MAX_K, 2-16 rows plain, split over K, and swapped and split
+    # general kernel with one row past ROW_MAX_K, 2-16 rows plain, split over K, swapped and split, and K steps
+    # narrower than a group (64 of 128: a step's group is k0 // 128, not k0 // 64)
     check_gemv_fp8(m, n, k, group, torch.float16, config=config)
+
+
+@pytest.mark.interpreter
+def test_gemv_one_fp8_row_with_groups_wider_than_its_steps():
+    # one row past ROW_MAX_K steps 1,024 columns: 2,048-column scale groups span two steps
+    check_gemv_fp8(1, 16, 8192, 2048, torch.float16)
 
 
 def test_gemv_split_choice():

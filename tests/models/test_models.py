@@ -144,3 +144,32 @@ def test_checkpoint_names_route_by_whole_segments():
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.shared_gate_proj.weight",
                  "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.cross_attn.q_proj.weight"):
         assert route_weight(name, packed) == (name, None)
+
+
+def test_gemma_configs_in_transformers_4_layout():
+    # transformers 4's Gemma configs: no layer_types (Gemma 2's odd layers and every sliding_window_pattern-th layer
+    # of Gemma 3 are global) and Gemma 3's local rope base in rope_local_base_freq: the same layers and rope tables
+    # as transformers 5's layout of the same model
+    from types import SimpleNamespace
+
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from nanovllm.models import build_model
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, num_hidden_layers=7, sliding_window=8, query_pre_attn_scalar=16)
+    gemma3 = Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], sliding_window_pattern=3, rope_theta=1e6,
+                              rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}, **small)
+    old3 = SimpleNamespace(**{**small, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 3,
+                              "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+                              "max_position_embeddings": 64})
+    gemma2 = Gemma2Config(architectures=["Gemma2ForCausalLM"], **small)
+    old2 = SimpleNamespace(**{**small, "architectures": ["Gemma2ForCausalLM"], "rope_theta": 10000.0,
+                              "rms_norm_eps": 1e-6, "max_position_embeddings": 64})
+    for new, old in ((gemma3, old3), (gemma2, old2)):
+        new.max_position_embeddings = 64
+        a, b = (build_model(c).model.layers for c in (new, old))
+        assert [x.self_attn.attn.window for x in a] == [x.self_attn.attn.window for x in b]
+        assert len({x.self_attn.attn.window for x in a}) == 2  # local and global layers both there
+        for x, y in zip(a, b):
+            assert torch.equal(x.self_attn.rotary_emb.cos_sin_cache, y.self_attn.rotary_emb.cos_sin_cache)

@@ -133,3 +133,19 @@ def test_gemma_chat_template_through_chat(tmp_path):
         with pytest.raises(ValueError, match="roles must alternate"):
             llm.chat(conversation[:2] + conversation[3:] + conversation[3:], GREEDY, use_tqdm=False)
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]  # still serving
+
+
+def test_gemma3_under_tensor_parallelism(tmp_path):
+    # TP=2 over gloo: the sandwich norms run on the all-reduced sublayer outputs, each rank's heads keep the window
+    path = make_checkpoint(tmp_path / "gemma3", seed=7, **MODELS["gemma3"])
+    batch = prompts(6, [70, 9])
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        check(llm, path, batch)
+
+
+def test_flash_attn_window_arguments():
+    # flash-attn counts the keys left of the query: a window of W keys ending at the query is W - 1 of them
+    from nanovllm.layers.attention.flash_attn_backend import _window_softcap
+    assert _window_softcap(16, None) == dict(window_size=(15, 0))
+    assert _window_softcap(None, 30.0) == dict(softcap=30.0)
+    assert _window_softcap(None, None) == {}  # (flash-attn before 2.6 takes no softcap argument)

@@ -50,6 +50,12 @@ class FlashAttention(AttentionBackend):
 
 
 def _window_softcap(window: int | None, softcap: float | None) -> dict:
-    """flash-attn's arguments: window_size=(left, right) keys around the query (a window of W keys ending at the
-    query is W - 1 to its left), softcap 0 for none."""
-    return dict(window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap or 0.0)
+    """flash-attn's arguments for a window (window_size=(left, right): the keys around the query, so a window of W
+    keys ending at the query is W - 1 to its left) and a soft-cap, each only when set (flash-attn before 2.6 has no
+    softcap argument: a model without one must not pass it)."""
+    options = {}
+    if window:
+        options["window_size"] = (window - 1, 0)
+    if softcap:
+        options["softcap"] = softcap
+    return options
