@@ -170,11 +170,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     small = x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= SMALL_ROWS
     if small and x.shape[0] == 1:
         from nanovllm.kernels.gemv import WeightScale, gemv
-        y = gemv(x, weight, bias, scale=WeightScale(scale, group if scale.dim() == 2 else None))
+        y = gemv(x, weight, bias, scale=WeightScale(scale, group))
         return y.reshape(*shape[:-1], weight.shape[0])
     if small or not activations:
         return w8a16(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
-    q, s = quantize_activations(x, group if scale.dim() == 2 else None)
+    q, s = quantize_activations(x, group)
     if scale.dim() == 1:
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)
         if bias is not None:

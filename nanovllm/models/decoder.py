@@ -3,6 +3,7 @@ DecoderFlags (q/k RMSNorm, qkv bias, rope scaling, Gemma's norms and soft-caps),
 Qwen3-MoE and Mixtral add `moe`, and each layer's MLP is then dense or mixture-of-experts as the config says
 (moe_layer). Each layer's attention may have a sliding window (layer_windows): models interleave local and global
 layers, and a layer type may have its own rotary base (Gemma 3's local layers)."""
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,12 @@ def layer_windows(config, pattern: int | None = None) -> list[int | None]:
     """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None."""
     window = getattr(config, "sliding_window", None)
     return [window if t == "sliding_attention" and window else None for t in layer_types(config, pattern)]
+
+
+@functools.lru_cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (once per dtype: no tensor made in each forward)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def head_dim_of(config) -> int:
@@ -212,7 +219,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:  # (the scale rounded to the model's dtype first, as transformers does)
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            hidden = hidden * _rounded(self.embed_scale, hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]

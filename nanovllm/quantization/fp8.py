@@ -28,11 +28,12 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
-    """float32 weight from fp8 `weight` [out, in] and `scale` ([out], or [out, groups] of `group` columns)."""
+    """float32 weight from fp8 `weight` [..., out, in] and `scale` ([..., out] per row when group is None, else
+    [..., out, groups] of `group` columns)."""
     w = weight.float()
-    if scale.dim() == 1:
-        return w * scale[:, None]
-    return w * scale.repeat_interleave(group, dim=1)[:, :w.shape[1]]
+    if group is None:
+        return w * scale[..., None]
+    return w * scale.repeat_interleave(group, dim=-1)[..., :w.shape[-1]]
 
 
 class Fp8Linear:
@@ -183,8 +184,7 @@ class Fp8Experts:
                 weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
                 delattr(experts, f"{part}_{self.scale_name}")
             if not weight.is_cuda:
-                scale = scale[..., None] if self.group is None else scale.repeat_interleave(self.group, -1)
-                weight = weight.float() * scale[..., :weight.shape[-1]]
+                weight = dequantize(weight, scale, self.group)
             new = nn.Parameter(weight, requires_grad=False)
             new.weight_loader, new.shard_ids = getattr(experts, part).weight_loader, getattr(experts, part).shard_ids
             setattr(experts, part, new)
