@@ -105,7 +105,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = w.to(x.dtype)  # (fp8 W: exact in x's 16-bit type)
+        if BLOCK_M > 1:  # the dot's operands share x's type (fp8 W: exact in it); one row widens W straight to
+            w = w.to(x.dtype)  # float32 below (an fp8 W through bfloat16 costs more conversions than the row's FMAs)
         if SCALE == 2:  # this step's group scale per W row, on the step's products
             gs = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
             if BLOCK_M == 1:
