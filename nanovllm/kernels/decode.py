@@ -33,7 +33,8 @@ float32 models) computes in float32.
 A sliding window (window > 0) keeps the keys after context_len - 1 - window: the splits then cut that run, from the
 tile holding its first key (keys before it in that tile are masked), so no program reads the keys the window
 drops and the grid is sized for the window, not the context bound. Soft-capped logits (Gemma 2) become
-cap * tanh(s / cap). Both keep to this kernel (not the TMA one), without the early launch.
+cap * tanh(s / cap). Both run without the early launch; the TMA ring takes them too, its rule then seeing the
+window's span (decode_tma.window_bound) as the bound.
 """
 import functools
 
@@ -354,13 +355,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     quant = k_scale is not None
     plain = not window and not softcap
-    if num_splits is None and config is None and max_split_tokens is None and plain:
+    if num_splits is None and config is None and max_split_tokens is None:
         programs, sms = batch * num_kv_heads, sm_count(q.device)
-        stages = decode_tma.stages_for(programs, max_context_len, sms, quant)
+        bound = min(max_context_len, decode_tma.window_bound(window, k_cache.dtype)) if window else max_context_len
+        stages = decode_tma.stages_for(programs, bound, sms, quant)
         if stages and decode_tma.usable(q, k_cache, v_cache, k_scale, v_scale):  # (Hopper: decode_tma.py)
             return decode_tma.decode_attention_tma(q, k_cache, v_cache, context_lens, block_tables, scale, stages,
                                                    out, max_context_len, k_scale, v_scale,
-                                                   decode_tma.chunk_tiles_for(programs, sms, quant))
+                                                   decode_tma.chunk_tiles_for(programs, sms, quant), window, softcap)
     if quant:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     block_n, warps, stages = config or _decode_config(head_dim, q.dtype, quant, v_cache.stride(1) == 1, batch)

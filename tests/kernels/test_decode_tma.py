@@ -1,6 +1,7 @@
 """The Hopper TMA-ring decode kernel (kernels/hopper/decode_tma.py, Gluon): the rule that picks it and its ring
 depth (plain CPU); on a Hopper GPU (marked gpu) against float32 attention over each context's own rows, 16-bit and
-fp8 caches, the engine's choice between it and the split-K kernel, and a bound shorter than a context. Its sm_90
+fp8 caches, sliding windows and soft-caps, the engine's choice between it and the split-K kernel, and a bound
+shorter than a context. Its sm_90
 compile without a GPU is in test_hopper_compile.py."""
 import pytest
 import torch
@@ -10,14 +11,16 @@ from tests.kernels.helpers import FP8, assert_close, block_tables_for, random_ca
 
 
 def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype,
-                     stages: int, kv_dtype=None, chunk_tiles: int | None = None):
+                     stages: int, kv_dtype=None, chunk_tiles: int | None = None, window: int | None = None,
+                     softcap: float | None = None, max_context_len: int | None = None):
     """The TMA-ring decode kernel (kernels/decode_tma.py, Hopper) against float32 attention over each context's own
     rows. Every 16-bit cache row no context covers holds NaN (the engine's 16-bit cache is not zeroed), so a kernel
     that let a row past a context into its sums would return NaN. An fp8 cache (kv_dtype; V token-major, as the
     engine stores it) is zeroed in the engine, so rows past a context are finite there: here they keep random
     values, with scales 10^8 above any context's, which a kernel must keep out of its running V scale (else every
     p it scales down underflows float16).
-    chunk_tiles: the chunks' floor (decode_tma.chunk_tiles_for; default the kernel's)."""
+    chunk_tiles: the chunks' floor (decode_tma.chunk_tiles_for; default the kernel's). window: each query sees its
+    last `window` keys (the reference attends over those rows only); softcap: scores become cap * tanh(s / cap)."""
     from nanovllm.kernels.hopper.decode_tma import decode_attention_tma
     from nanovllm.layers.attention.fp8 import dequantize
     batch = len(context_lens)
@@ -51,16 +54,21 @@ def check_decode_tma(context_lens: list[int], block_size: int, heads: int, kv_he
     q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
     out = decode_attention_tma(q, k_cache, v_cache, torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
-                               tables, scale, stages, chunk_tiles=chunk_tiles, **scales)
+                               tables, scale, stages, max_context_len=max_context_len, chunk_tiles=chunk_tiles,
+                               window=window, softcap=softcap, **scales)
     ref = torch.zeros(batch, heads, head_dim, device="cuda")
     group = heads // kv_heads
     for s, n in enumerate(context_lens):
         if n:
-            k, v = (c[rows[s]].repeat_interleave(group, 1) for c in values)
+            seen = rows[s][-window:] if window else rows[s]
+            k, v = (c[seen].repeat_interleave(group, 1) for c in values)
             att = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
+            if softcap:
+                att = softcap * torch.tanh(att / softcap)
             ref[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
     assert_close(out, ref, dtype, f"decode_tma context_lens={context_lens} block_size={block_size} stages={stages} "
-                 f"kv_dtype={kv_dtype} chunk_tiles={chunk_tiles}", kv_dtype is not None)
+                 f"kv_dtype={kv_dtype} chunk_tiles={chunk_tiles} window={window} softcap={softcap}",
+                 kv_dtype is not None)
     for s, n in enumerate(context_lens):
         if n == 0:  # padding row: zeros
             assert torch.equal(out[s], torch.zeros_like(out[s]))
@@ -116,6 +124,27 @@ def test_gpu_decode_tma_fp8(stages, chunk_tiles, heads, kv_heads, head_dim, bloc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window,softcap", [(16, None), (100, None), (1, None), (None, 5.0), (100, 5.0),
+                                            (1100, None)])
+def test_gpu_decode_tma_window_softcap(window, softcap, kv_dtype):
+    # sliding windows (one key, inside a tile, across tiles, past one 1,024-token chunk) and soft-capped scores
+    # (Gemma 2), over contexts shorter and longer than the window, with a bound past MAX_CONTEXT (a window's span
+    # is what the grid is cut for)
+    from nanovllm.kernels.hopper import decode_tma
+    from nanovllm.layers.attention.fp8 import token_major
+    block_size = 256
+    cache = torch.zeros(1, block_size, 8, 128, dtype=kv_dtype or torch.bfloat16, device="cuda")
+    scales = [torch.zeros(1, 8, block_size, device="cuda")] * 2 if kv_dtype else []
+    if not decode_tma.usable(torch.zeros(1, 16, 128, dtype=torch.bfloat16, device="cuda"), cache,
+                             token_major(cache) if kv_dtype else cache, *scales):
+        pytest.skip("the TMA decode kernel needs Hopper and Gluon (Triton 3.6 or newer)")
+    lens = [640, 1, 15, 16, 17, 0, 5000, 129, 255, 256, 257, 3000, 100, 101, 1100, 1200]
+    check_decode_tma(lens, block_size, 16, 8, 128, torch.bfloat16, 4 if kv_dtype is None else 3, kv_dtype,
+                     window=window, softcap=softcap, max_context_len=8192)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
     # the engine's path (decode_attention): the TMA ring at 12-33 sequences with 8 KV heads and a bound up to 4,096
     # tokens, the split-K kernel otherwise (and where stages_for says no), for a 16-bit and an fp8 cache; both give
@@ -152,6 +181,21 @@ def test_gpu_decode_picks_the_tma_kernel_by_shape(monkeypatch):
         assert attend(32, 16, kv_dtype) == ([3] if 256 <= 2 * sms else [])
         assert attend(8, 16, kv_dtype) == []  # 64 programs
         assert attend(16, 17, kv_dtype) == []  # a bound of 4,352 tokens
+    # a window's span is the bound the rule sees: a windowed layer under an 8,192-token bound takes the ring (the
+    # split-K kernel gives the same attention)
+    picked.clear()
+    lens = [700 - 3 * i for i in range(16)]
+    k, v = random_cache(16 * 32, 256, 8, 128, torch.bfloat16, "cuda")
+    tables = torch.full((16, 32), -1, dtype=torch.int32, device="cuda")
+    t = block_tables_for(lens, 256, 16 * 32, "cuda")
+    tables[:, :t.size(1)] = t
+    q = torch.randn(16, 16, 128, dtype=torch.bfloat16, device="cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ring = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, window=200, softcap=20.0)
+    assert picked == [4 if 128 <= sms else 3]
+    split_k = decode.decode_attention(q, k, v, ctx, tables, 128 ** -0.5, max_split_tokens=128, window=200,
+                                      softcap=20.0)
+    torch.testing.assert_close(ring.float(), split_k.float(), atol=2e-2, rtol=2e-2)
     monkeypatch.setattr(decode_tma, "stages_for", lambda *a, **k: 0)
     assert attend(16, 16) == [] and attend(16, 16, torch.float8_e4m3fn) == []
 

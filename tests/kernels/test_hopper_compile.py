@@ -401,7 +401,7 @@ def test_decode_tma_compiles_for_hopper(monkeypatch, compiled_elsewhere):
         return
     # the Gluon kernel through this Triton's Gluon API (experimental, renamed between releases), for sm_90 with a
     # stand-in driver: both ring depths the rule picks, bf16 and fp16, head_dim 128 and 64, a 16-bit and an fp8
-    # cache, and within Hopper's shared memory
+    # cache, with and without a window and a soft-cap, and within Hopper's shared memory
     from nanovllm.kernels.hopper import decode_tma
     if decode_tma.gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -424,10 +424,12 @@ def test_decode_tma_compiles_for_hopper(monkeypatch, compiled_elsewhere):
     kernel = decode_tma._decode_tma_kernel  # (its sm_90 builds stay out of the kernel's cache for real launches)
     monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
     from nanovllm.layers.attention.fp8 import token_major
-    for stages, dtype, heads, kv_heads, head_dim, block_size, kv_dtype in [
-            (4, torch.bfloat16, 16, 8, 128, 256, None), (3, torch.float16, 32, 4, 64, 64, None),
-            (4, torch.bfloat16, 16, 8, 128, 256, torch.float8_e4m3fn), (3, torch.float16, 32, 4, 64, 128,
-                                                                            torch.float8_e5m2)]:
+    for stages, dtype, heads, kv_heads, head_dim, block_size, kv_dtype, windowed in [
+            (4, torch.bfloat16, 16, 8, 128, 256, None, False), (3, torch.float16, 32, 4, 64, 64, None, False),
+            (4, torch.bfloat16, 16, 8, 128, 256, torch.float8_e4m3fn, False),
+            (3, torch.float16, 32, 4, 64, 128, torch.float8_e5m2, False),
+            (4, torch.bfloat16, 16, 8, 128, 256, None, True), (3, torch.bfloat16, 16, 8, 128, 256,
+                                                               torch.float8_e4m3fn, True)]:
         q = torch.zeros(16, heads, head_dim, dtype=dtype)
         k, v = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=kv_dtype or dtype) for _ in range(2))
         scales = [torch.zeros(8, kv_heads, block_size) for _ in range(2)] if kv_dtype else []
@@ -436,7 +438,8 @@ def test_decode_tma_compiles_for_hopper(monkeypatch, compiled_elsewhere):
         part = torch.zeros(16, 4, dtype=torch.float32)
         kernel = decode_tma._decode_tma_kernel.warmup(
             q, q, *descs, part, part, part, tables, tables[:, 0], tables, q.stride(0), q.stride(1),
-            q.stride(0), q.stride(1), tables.stride(0), 0.1, GROUP=heads // kv_heads, BLOCK_G=16,
+            q.stride(0), q.stride(1), tables.stride(0), 0.1, 16, 30.0, WINDOW=windowed, SOFTCAP=windowed,
+            GROUP=heads // kv_heads, BLOCK_G=16,
             BLOCK_SIZE=block_size, BLOCK_N=decode_tma.block_n_for(k.dtype), HEAD_DIM=head_dim, STAGES=stages,
             CHUNK_TILES=decode_tma.CHUNK_TOKENS // decode_tma.block_n_for(k.dtype), PDL=True,
             QUANT=kv_dtype is not None, num_warps=4, grid=(1,))

@@ -24,6 +24,9 @@ so V past a context is finite and weighted 0; only its scales are masked (they w
 Widening keeps one program of 4 warps from streaming fp8 at the SM's share of DRAM, so where every (sequence, KV
 head) pair has an SM an fp8 context is cut in short chunks, two programs an SM (chunk_tiles_for).
 
+A sliding window (WINDOW) starts the chunks at the tile holding the window's first key and masks the keys before
+it, as decode.py does; soft-capped scores (SOFTCAP) become cap * tanh(s / cap) before the mask.
+
 decode.decode_attention takes it where stages_for says (a rule on shapes and the graph's context bound only, so
 captured graphs stay valid) and usable() holds. Against the split-K kernel it is faster or even on batches of similar
 contexts, 16-bit and fp8 alike, and slower where one long context sits among short ones (a 1,024-token chunk is 16
@@ -91,20 +94,25 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["stride_table"])
     def _decode_tma_kernel(q_ptr, o_ptr, k_desc, v_desc, ks_desc, vs_desc, part_m_ptr, part_l_ptr, part_acc_ptr,
                            count_ptr, context_lens_ptr, table_ptr, stride_qb, stride_qh, stride_ob, stride_oh,
-                           stride_table, qk_scale, GROUP: gl.constexpr, BLOCK_G: gl.constexpr,
+                           stride_table, qk_scale, window, softcap, GROUP: gl.constexpr, BLOCK_G: gl.constexpr,
                            BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, CHUNK_TILES: gl.constexpr, PDL: gl.constexpr, QUANT: gl.constexpr):
+                           STAGES: gl.constexpr, CHUNK_TILES: gl.constexpr, PDL: gl.constexpr, QUANT: gl.constexpr,
+                           WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         seq = gl.program_id(0)
         kv_head = gl.program_id(1)
         split = gl.program_id(2)  # this program's chunk of the context
         # context lengths and block tables are written before the step (host copies), never by a kernel of it
         context_len = gl.load(context_lens_ptr + seq)
         n_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-        # a context cut evenly over the grid's chunks, CHUNK_TILES at least (within the bound the grid has enough
-        # chunks of CHUNK_TOKENS); a longer context (which the engine never passes) gets longer chunks, so it is
-        # still computed whole
-        chunk = gl.maximum((n_tiles + gl.num_programs(2) - 1) // gl.num_programs(2), CHUNK_TILES)
-        first = split * chunk
+        first_key = context_len * 0  # a window: its first key; the chunks cut the tiles from the one holding it
+        if WINDOW:
+            first_key = gl.maximum(context_len - window, 0)
+        origin = first_key // BLOCK_N
+        # the window's tiles (else the context's) cut evenly over the grid's chunks, CHUNK_TILES at least (within
+        # the bound the grid has enough chunks of CHUNK_TOKENS); a longer context (which the engine never passes)
+        # gets longer chunks, so it is still computed whole
+        chunk = gl.maximum((n_tiles - origin + gl.num_programs(2) - 1) // gl.num_programs(2), CHUNK_TILES)
+        first = origin + split * chunk
         if (first >= n_tiles) & (split > 0):
             return  # (before any wait: this chunk holds no key; split 0 writes a padding row's zeros)
         last = gl.minimum(first + chunk, n_tiles)
@@ -174,17 +182,23 @@ if gluon is not None:
             slot = (t - first) % STAGES
             mbarrier.wait(bars.index(slot), ((t - first) // STAGES) & 1)
             in_context = t * BLOCK_N + offs_n < context_len
+            if WINDOW:
+                in_context = in_context & (t * BLOCK_N + offs_n >= first_key)
             if QUANT:
                 k = k_smem.index(slot).permute((1, 0)).load(b_op).to(dtype)  # [HEAD_DIM, BLOCK_N], exact
                 # (scales are >= 0: a max over the one row, whatever copies of it the layout holds)
                 k_scale = gl.max(ks_smem.index(slot).load(mma), axis=0)
                 v_scale = gl.where(in_context, gl.max(vs_smem.index(slot).load(mma), axis=0), 0.0)
                 s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
-                s = gl.where(in_context[None, :], s * (k_scale * qk_scale)[None, :], float("-inf"))
+                s = s * (k_scale * qk_scale)[None, :]
             else:
                 k = k_smem.index(slot).permute((1, 0)).load(b_op)  # [HEAD_DIM, BLOCK_N]
                 s = mma_v2(q, k, gl.zeros([BLOCK_G, BLOCK_N], gl.float32, layout=mma))
-                s = gl.where(in_context[None, :], s * qk_scale, float("-inf"))
+                s = s * qk_scale
+            if SOFTCAP:  # cap * tanh(s / cap), the cap in s's log2 units (tanh from one exp2: saturates to +-1;
+                # 2.885... is 2 log2(e))
+                s = softcap * (1.0 - 2.0 / (gl.exp2(s * 2.8853900817779268 / softcap) + 1.0))
+            s = gl.where(in_context[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: every tile holds a key
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[:, None])
@@ -219,7 +233,7 @@ if gluon is not None:
         offs_go = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, mma))
         offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
         heads_o = kv_head * GROUP + offs_go
-        used = (n_tiles + chunk - 1) // chunk  # chunks holding keys: at most the grid's, by chunk's choice
+        used = (n_tiles - origin + chunk - 1) // chunk  # chunks holding keys: at most the grid's, by chunk's choice
         if used <= 1:  # the whole context in this program (or none: a padding row's zeros)
             out = acc / gl.where(l_sum > 0, l_sum, 1.0)[:, None]
             gl.store(o_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + offs_do[None, :],
@@ -290,6 +304,12 @@ def _ring_fits(device: torch.device) -> bool:
     return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= RING_BYTES
 
 
+def window_bound(window: int, cache_dtype: torch.dtype) -> int:
+    """The most tokens a windowed program's chunks cut: the window's keys from the start of the tile holding the
+    first (stages_for's and the grid's bound under a window, whatever the context bound)."""
+    return window + block_n_for(cache_dtype) - 1
+
+
 def block_n_for(cache_dtype: torch.dtype) -> int:
     """Tokens a tile: FP8_BLOCK_N for an fp8 cache (a slot then holds as many bytes as a 16-bit one), else BLOCK_N."""
     return FP8_BLOCK_N if is_fp8(cache_dtype) else BLOCK_N
@@ -348,12 +368,15 @@ def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, scale: float, stages: int = 4,
                          out: torch.Tensor | None = None, max_context_len: int | None = None,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                         chunk_tiles: int | None = None) -> torch.Tensor:
+                         chunk_tiles: int | None = None, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """decode.decode_attention's contract for the cases usable() accepts. Grid (batch, kv_heads, chunks): the bound
     (default: the table's width in tokens) over CHUNK_TOKENS fixes the chunk count, so a captured graph stays
     valid; a context is cut evenly over them, each chunk at least chunk_tiles tiles (chunk_tiles_for; default
     CHUNK_TOKENS' worth), so one long context among short ones is spread over several SMs. An fp8 cache comes
-    with its scales."""
+    with its scales. window: a query sees its last `window` keys only (the chunks then cut those, from the tile
+    holding the first, and the bound is taken as at most window_bound()); softcap: scores s become
+    softcap * tanh(s / softcap)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if out is None:
@@ -367,14 +390,17 @@ def decode_attention_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     descs = _descriptors(k_cache, v_cache, k_scale, v_scale)
     if max_context_len is None:
         max_context_len = block_tables.size(1) * block_size
+    if window:
+        max_context_len = min(max_context_len, window_bound(window, k_cache.dtype))
     num_splits = max(1, -(-max_context_len // CHUNK_TOKENS))
     part_m, part_l, part_acc = split_partials(out, num_splits)
     counters = split_counters(q.device, batch * num_kv_heads)
     pdl = pdl_enabled(q.device)
     _decode_tma_kernel[(batch, num_kv_heads, num_splits)](
         q, out, *descs, part_m, part_l, part_acc, counters, context_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
-        GROUP=group, BLOCK_G=16, BLOCK_SIZE=block_size, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, window or 0,
+        (softcap or 0.0) * LOG2E, WINDOW=bool(window), SOFTCAP=bool(softcap), GROUP=group, BLOCK_G=16,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages,
         CHUNK_TILES=chunk_tiles or CHUNK_TOKENS // block_n, PDL=pdl, QUANT=is_fp8(k_cache.dtype), num_warps=4,
         **pdl_launch(pdl))
     return out
