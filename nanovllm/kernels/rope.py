@@ -13,7 +13,7 @@ from nanovllm.kernels.store_kvcache import row_scale, to_fp8
 
 @triton.jit
 def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, h0, num_heads, cos, sin, eps,
-                  NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+                  NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, OFFSET: tl.constexpr = False):
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
@@ -24,8 +24,12 @@ def _rotate_heads(x_ptr, w_ptr, stride_t, stride_h, token, h0, num_heads, cos, s
         # rotating them, and the rotation's cancellation can turn that into a large error on a small output (a
         # variant that rounds twice misses the float32 reference by 0.024 on a rare bf16 element)
         inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        x1 = x1 * inv * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
-        x2 = x2 * inv * tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)
+        if OFFSET:  # Gemma's norm scales by (1 + weight)
+            w1, w2 = w1 + 1.0, w2 + 1.0
+        x1 = x1 * inv * w1[None, :]
+        x2 = x2 * inv * w2[None, :]
     y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
     tl.store(ptr, y1, mask=mask)
@@ -55,7 +59,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
                          stride_vh_c, stride_vd, stride_sb, stride_sh, num_q_heads, num_k_heads, eps, trigger_first,
                          NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
                          STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                         FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
+                         FP8_MAX: tl.constexpr, PDL: tl.constexpr = False, OFFSET: tl.constexpr = False):
     if PDL:  # launched early (hopper/pdl.py): with trigger_first, early decode attention may launch and ask L2 for
         # its K/V while the qkv projection runs (kernels/decode.py); then wait for that projection before reading or
         # writing anything
@@ -72,11 +76,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cache_ptr, q_w_ptr, k_w_pt
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d)[None, :]
     if together or chunk < q_chunks:
         _rotate_heads(q_ptr, q_w_ptr, stride_qt, stride_qh, token, chunk * BLOCK_HQ, num_q_heads, cos, sin, eps,
-                      NORM, BLOCK_HQ, HALF)
+                      NORM, BLOCK_HQ, HALF, OFFSET)
     if together or chunk >= q_chunks:
         h0 = 0 if together else (chunk - q_chunks) * BLOCK_HK
         k1, k2 = _rotate_heads(k_ptr, k_w_ptr, stride_kt, stride_kh, token, h0, num_k_heads, cos, sin, eps, NORM,
-                               BLOCK_HK, HALF)
+                               BLOCK_HK, HALF, OFFSET)
         if STORE:  # the token's K and V rows of these heads into the paged cache, as store_kvcache.py would
             slot = tl.load(slot_ptr + token).to(tl.int64)
             # V read beside the slot, not after its check: one memory round trip less in a row
@@ -111,16 +115,17 @@ def heads_per_program_for(tokens: int) -> int:
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, store: tuple | None = None,
-                  heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  heads_per_program: int | None = None, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] (views of the qkv projection are fine: the
     last dimension must be contiguous); positions [tokens] int64; cos_sin_cache [max_position, head_dim] float32.
-    With q_weight/k_weight, each head is RMS-normalized (eps) and scaled first. Writes q and k in place and
-    returns them. store=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]): also writes each token's rotated
-    K and its V into the paged cache [num_blocks, block_size, kv_heads, head_dim] (K unit-stride along head_dim,
-    V any layout) at its slot, fp8 with its scales, as store_kvcache does: one kernel fewer per layer. (One
-    program per token stores a token-major V byte by byte: decode steps only, where store_kvcache does the same.)
-    heads_per_program (a power of two): each program rotates that many q or k heads of one token (and stores
-    those K/V heads), else one program per token does them all (heads_per_program_for's choice)."""
+    With q_weight/k_weight, each head is RMS-normalized (eps) and scaled first (offset: by 1 + weight, Gemma's).
+    Writes q and k in place and returns them. store=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]): also
+    writes each token's rotated K and its V into the paged cache [num_blocks, block_size, kv_heads, head_dim] (K
+    unit-stride along head_dim, V any layout) at its slot, fp8 with its scales, as store_kvcache does: one kernel
+    fewer per layer. (One program per token stores a token-major V byte by byte: decode steps only, where
+    store_kvcache does the same.) heads_per_program (a power of two): each program rotates that many q or k heads
+    of one token (and stores those K/V heads), else one program per token does them all (heads_per_program_for's
+    choice)."""
     tokens, num_q_heads, head_dim = q.shape
     if tokens == 0:
         return q, k
@@ -161,6 +166,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HALF=head_dim // 2, STORE=store is not None, BLOCK_SIZE=k_cache.size(1) if store is not None else 1,
         QUANT=quant, FP8_MAX=torch.finfo(k_cache.dtype).max if quant else 1.0, num_warps=warps,
-        PDL=pdl, **pdl_launch(pdl),
+        PDL=pdl, OFFSET=offset and norm, **pdl_launch(pdl),
     )
     return q, k

@@ -11,7 +11,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., 2d] -> gelu_tanh(first half) * second half (Gemma's MLP)."""
+        """[..., 2d] -> gelu_tanh(first half) * second half (Gemma's MLP); on CUDA one Triton pass
+        (kernels/activation.py)."""
+        if x.is_cuda:
+            from nanovllm.kernels.activation import gelu_tanh_and_mul
+            return gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, -1)
         return F.gelu(gate, approximate="tanh") * up
 

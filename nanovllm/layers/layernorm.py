@@ -36,6 +36,9 @@ class RMSNorm(nn.Module):
         if self.offset:  # (Gemma's layers carry no residual into a norm)
             if residual is not None:
                 raise ValueError("an offset RMSNorm takes no residual")
+            if x.is_cuda:
+                from nanovllm.kernels import norm
+                return norm.offset_rms_norm(x, self.weight, self.eps)
             return offset_rms_norm(x, self.weight, self.eps)
         if x.is_cuda:
             from nanovllm.kernels import norm

@@ -123,8 +123,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, flags.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, flags.norm_offset)
         half = self.head_dim // 2
-        # kernels/rope.py takes heads whose half is a power of two, and norms with Llama's rounding (not Gemma's)
-        self.rope_kernel_fits = half & (half - 1) == 0 and not flags.norm_offset
+        # kernels/rope.py takes heads whose half is a power of two
+        self.rope_kernel_fits = half & (half - 1) == 0
+        self.norm_offset = flags.norm_offset
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
@@ -141,7 +142,7 @@ class DecoderAttention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             target = self.attn.store_target()
             q, k = qk_norm_rope_(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,
-                                 store=(v, *target) if target is not None else None)
+                                 store=(v, *target) if target is not None else None, offset=self.norm_offset)
             stored = target is not None
         else:
             if self.qk_norm:

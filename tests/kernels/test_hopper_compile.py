@@ -299,8 +299,10 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
         return
     triton = pytest.importorskip("triton")
     from nanovllm.kernels import activation, rope
-    for norm, store, quant, heads in ((True, True, False, 0), (True, False, False, 0), (False, True, False, 0),
-                                      (True, True, True, 0), (True, True, False, 2), (True, True, True, 1)):
+    for norm, store, quant, heads, offset in ((True, True, False, 0, False), (True, False, False, 0, False),
+                                              (False, True, False, 0, False), (True, True, True, 0, False),
+                                              (True, True, False, 2, False), (True, True, True, 1, False),
+                                              (True, True, False, 2, True)):
         cache = "*fp8e4nv" if quant else "*bf16"
         _compile_for_hopper(rope._qk_norm_rope_kernel,
                             {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")}
@@ -308,15 +310,16 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
                                "v_scale_ptr": "*fp32", "positions_ptr": "*i64", "cache_ptr": "*fp32",
                                "slot_ptr": "*i32", "eps": "fp32"},
                             dict(NORM=norm, BLOCK_HQ=heads or 16, BLOCK_HK=heads or 8, HALF=64, STORE=store,
-                                 BLOCK_SIZE=256, QUANT=quant, FP8_MAX=448.0, PDL=True),
+                                 BLOCK_SIZE=256, QUANT=quant, FP8_MAX=448.0, PDL=True, OFFSET=offset),
                             num_warps=max(1, heads // 2) if heads else 4, launch_pdl=True)
-    _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                        dict(BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
+    for gelu in (False, True):
+        _compile_for_hopper(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                            dict(BLOCK=1024, PDL=True, GELU=gelu), num_warps=4, launch_pdl=True)
     from nanovllm.kernels import norm, race
-    for add in (True, False):
+    for add, offset in ((True, False), (False, False), (False, True)):
         _compile_for_hopper(norm._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
                                                                           "res_out_ptr")} | {"eps": "fp32"},
-                            dict(ADD=add, BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
+                            dict(ADD=add, BLOCK=1024, PDL=True, OFFSET=offset), num_warps=4, launch_pdl=True)
     from nanovllm.kernels import gemv
     # (qkv as it was; o_proj, gate_up and down swapped, o_proj and down split over K)
     # (16 rows: with the norm folded as DecoderModel.forward_rows does: o_proj and down hand it on, qkv and gate_up

@@ -1,5 +1,6 @@
-"""RMSNorm (with and without the residual add) and SiLU-and-mul: the Triton kernels against layers/layernorm.py and
-layers/activation.py. Interpreted on CPU; compiled on a GPU (marked gpu)."""
+"""RMSNorm (with and without the residual add, and Gemma's (1 + weight) norm), SiLU-and-mul and Gemma's
+gelu-tanh-and-mul: the Triton kernels against layers/layernorm.py and layers/activation.py. Interpreted on CPU;
+compiled on a GPU (marked gpu)."""
 import pytest
 import torch
 
@@ -11,6 +12,25 @@ def check_silu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
     from nanovllm.layers.activation import silu_and_mul as reference_silu
     x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device) * 3
     assert_close(silu_and_mul(x), reference_silu(x.float()).to(dtype), dtype, f"silu_and_mul {tokens}x{inter}")
+
+
+def check_gelu_and_mul(tokens: int, inter: int, dtype, device="cpu"):
+    from nanovllm.kernels.activation import gelu_tanh_and_mul
+    from nanovllm.layers.activation import GeluTanhAndMul
+    x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device) * 3
+    reference = GeluTanhAndMul()(x.float().cpu()).to(device=device, dtype=dtype)  # (the torch path: CPU)
+    assert_close(gelu_tanh_and_mul(x), reference, dtype, f"gelu_tanh_and_mul {tokens}x{inter}")
+
+
+def check_offset_rms_norm(rows: int, width: int, dtype, device="cpu"):
+    """Gemma's norm, normalized x times (1 + weight) in float32, against layers/layernorm.py's; weights near 0 and
+    near -1 (a kernel scaling by the weight alone, or by 1 + a rounded weight, misses)."""
+    from nanovllm.kernels import norm
+    from nanovllm.layers import layernorm
+    x = torch.randn(rows, width, dtype=dtype, device=device) * 2
+    weight = torch.rand(width, dtype=dtype, device=device) - 0.5
+    assert_close(norm.offset_rms_norm(x, weight, 1e-6), layernorm.offset_rms_norm(x, weight, 1e-6), dtype,
+                 "offset_rms_norm")
 
 
 def check_rms_norm(rows: int, width: int, dtype, device="cpu"):
@@ -38,8 +58,17 @@ def test_silu_kernel(dtype):
     check_silu_and_mul(5, 1500, dtype)  # a partial last column block
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_and_gelu_kernels(dtype):
+    check_offset_rms_norm(5, 1000, dtype)
+    check_gelu_and_mul(5, 1500, dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 300, 16384])
 def test_gpu_silu_and_norm(tokens):
     check_silu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
     check_rms_norm(tokens, 1024, torch.bfloat16, device="cuda")
+    check_gelu_and_mul(tokens, 3072, torch.bfloat16, device="cuda")
+    check_offset_rms_norm(tokens, 1152, torch.bfloat16, device="cuda")

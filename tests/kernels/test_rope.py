@@ -8,23 +8,25 @@ from tests.kernels.helpers import DTYPES, assert_close, qkv_views
 
 
 def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, norm: bool, device="cpu",
-                       heads_per_program: int = 0):
+                       heads_per_program: int = 0, offset: bool = False):
     """The fused q/k RMSNorm + rotary kernel, in place on views of one qkv projection, against the torch modules
-    (norm in float32 then rounded, as the reference does; rotary over positions anywhere in the cache)."""
+    (norm in float32 then rounded, as the reference does; rotary over positions anywhere in the cache). offset:
+    Gemma's norm, scaled by (1 + weight), with weights around 0."""
     from nanovllm.kernels.rope import qk_norm_rope_
-    from nanovllm.layers.layernorm import rms_norm
+    from nanovllm.layers.layernorm import offset_rms_norm, rms_norm
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
     q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, device)
     v_before = v.clone()
     positions = torch.randint(0, 4096, (tokens,), device=device)
-    q_w, k_w = (torch.rand(head_dim, dtype=dtype, device=device) + 0.5 for _ in range(2))
+    q_w, k_w = (torch.rand(head_dim, dtype=dtype, device=device) + (-0.5 if offset else 0.5) for _ in range(2))
     ref_q, ref_k = q.float(), k.float()
     if norm:
-        ref_q, ref_k = rms_norm(ref_q, q_w.float(), 1e-6), rms_norm(ref_k, k_w.float(), 1e-6)
+        fn = offset_rms_norm if offset else rms_norm
+        ref_q, ref_k = fn(ref_q, q_w.float(), 1e-6), fn(ref_k, k_w.float(), 1e-6)
     ref_q, ref_k = rope(positions, ref_q, ref_k)
     out_q, out_k = qk_norm_rope_(q, k, positions, rope.cos_sin_cache, *((q_w, k_w, 1e-6) if norm else ()),
-                                 heads_per_program=heads_per_program)
+                                 heads_per_program=heads_per_program, offset=offset)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     assert_close(q, ref_q.to(dtype), dtype, f"rope q norm={norm}")
     assert_close(k, ref_k.to(dtype), dtype, f"rope k norm={norm}")
@@ -77,6 +79,13 @@ def test_rope_kernel(heads, kv_heads, head_dim, norm, dtype):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kernel_gemma_norm(dtype):
+    check_qk_norm_rope(7, 4, 1, 256, dtype, True, offset=True)  # (Gemma 3 1B's heads: 4 query, 1 KV, 256)
+    check_qk_norm_rope(7, 4, 1, 256, dtype, True, heads_per_program=2, offset=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_kernel(dtype):
     check_qk_norm_rope_store(5, dtype)
     check_qk_norm_rope_store(5, dtype, kv_dtype=torch.float8_e4m3fn)
@@ -90,6 +99,7 @@ def test_rope_store_kernel(dtype):
 @pytest.mark.parametrize("tokens", [1, 300, 16384])
 def test_gpu_rope_and_store(tokens, norm):
     check_qk_norm_rope(tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
+    check_qk_norm_rope(tokens, 4, 1, 256, torch.bfloat16, norm, device="cuda", offset=True)
     for heads in (1, 2, 4):
         check_qk_norm_rope(min(tokens, 256), 16, 8, 128, torch.bfloat16, norm, device="cuda", heads_per_program=heads)
     check_qk_norm_rope_store(min(tokens, 128), torch.bfloat16, device="cuda", block_size=256)
