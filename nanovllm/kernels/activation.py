@@ -19,11 +19,13 @@ def silu_mul(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def gelu_tanh_mul(gate, up, dtype: tl.constexpr):
-    """gelu(gate, approximate="tanh") * up, rounded as F.gelu(gate, approximate="tanh") * up rounds."""
+    """gelu(gate, approximate="tanh") * up, rounded as F.gelu(gate, approximate="tanh") * up rounds (once after the
+    gelu, once after the product)."""
     gate = gate.to(tl.float32)
     inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (x + 0.044715 x^3)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # (from one exp: saturates to +-1)
-    return ((0.5 * gate * (1.0 + tanh)).to(dtype) * up.to(dtype)).to(dtype)
+    # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): no cancellation where 1 + tanh(u) is small (negative gates), and it
+    # saturates to x and to 0 at the ends
+    return ((gate / (1.0 + tl.exp(-2.0 * inner))).to(dtype) * up.to(dtype)).to(dtype)
 
 
 @triton.jit

@@ -62,9 +62,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     GATED_OUT: W is an MLP's [gate; up] (N rows, N/2 each) and y [M, N/2] is silu(gate) * up: program n takes
     gate rows [n * BLOCK_N/2, +BLOCK_N/2) and the matching up rows, and rounds both before the SiLU-and-mul (as
     kernels/activation.py after the layer).
-    SCALE: W is fp8 (converted to x's type as it is read; exact) with float32 scales at s_ptr: 1, one per W row,
-    applied to the sums; 2, one per W row and GROUP columns ([N, groups], stride_s), applied to each BLOCK_K step's
-    products (BLOCK_K divides GROUP)."""
+    SCALE: W is fp8 (converted to x's type as it is read, or to float32 for one row; exact) with float32 scales at
+    s_ptr: 1, one per W row, applied to the sums; 2, one per W row and GROUP columns ([N, groups], stride_s),
+    applied to each BLOCK_K step's products (BLOCK_K divides GROUP)."""
     if PDL:  # launched early (hopper/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()

@@ -65,6 +65,20 @@ def test_gemma_norm_and_gelu_kernels(dtype):
     check_gelu_and_mul(5, 1500, dtype)
 
 
+@pytest.mark.interpreter
+def test_gelu_kernel_negative_gates_keep_their_digits():
+    # gelu-tanh where 1 + tanh(u) is small (gates -8 to -1): float32 within 1e-5 of float64, relative (a form
+    # computing 1 + tanh from a tanh near -1 loses about three digits there)
+    import math
+
+    from nanovllm.kernels.activation import gelu_tanh_and_mul
+    gate = torch.linspace(-8, -1, 64, dtype=torch.float64)
+    # (0.5 x (1 + tanh(u)) written as x / (1 + exp(-2u)): even float64 cancels to 0 the other way at -8)
+    want = gate / (1 + torch.exp(-2 * math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+    got = gelu_tanh_and_mul(torch.cat([gate, torch.ones(64, dtype=torch.float64)]).float()[None])[0].double()
+    assert ((got - want).abs() / want.abs()).max() < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 300, 16384])
 def test_gpu_silu_and_norm(tokens):
