@@ -49,6 +49,9 @@ class Config:
     # quantized weights (docs/quantization.md): None loads the checkpoint as it is (an FP8 checkpoint's own
     # format included); "fp8" quantizes a 16/32-bit checkpoint's linear layers at load
     quantization: str | None = None
+    # vLLM's: True caps max_model_len at the model's (smallest) sliding window, within which every layer attends to
+    # the whole context, so no layer is windowed; no effect on a model without windows
+    disable_sliding_window: bool = False
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
@@ -133,8 +136,12 @@ class Config:
             self.max_model_len = max_pos
         elif max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)
-        from nanovllm.models import check_model_config  # before any weight is read: unknown arch, sliding window
+        from nanovllm.models import check_model_config, model_windows  # before any weight is read
         check_model_config(self.hf_config, self.max_model_len)
+        windows = model_windows(self.hf_config)
+        if self.disable_sliding_window and windows:  # (as vLLM does: the config then states no window)
+            self.max_model_len = min(self.max_model_len, windows[0])
+            self.hf_config.sliding_window = None
         from nanovllm.quantization import quant_config
         self.quant = quant_config(self.hf_config, self.quantization)
         if self.quant is not None and self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):

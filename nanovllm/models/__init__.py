@@ -125,9 +125,13 @@ def _architecture(config) -> str:
 
 def check_model_config(config, max_model_len: int) -> None:
     """Fail early, before any weight is read, on a model this engine would run wrongly."""
-    flags = MODEL_FLAGS[_architecture(config)](config)  # (the families' flags check their config)
-    if flags.windows:
-        layer_windows(config, flags.window_pattern)  # layer_types must cover every layer
+    model_windows(config)  # (the families' flags check their config; layer_types must cover every layer)
+
+
+def model_windows(config) -> list[int]:
+    """The sliding windows the model's layers use (those its family honours), each once: [] for none."""
+    flags = MODEL_FLAGS[_architecture(config)](config)
+    return sorted({w for w in layer_windows(config, flags.window_pattern) if w}) if flags.windows else []
 
 
 def build_model(config) -> DecoderForCausalLM:

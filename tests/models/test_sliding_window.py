@@ -65,6 +65,26 @@ def test_chunked_prefill_prefix_cache_and_preemption(model):
         assert out["token_ids"] == hf_greedy(model, prompt, GREEDY.max_tokens), len(prompt)
 
 
+def test_disable_sliding_window_caps_the_context(model, tmp_path):
+    # vLLM's disable_sliding_window: max_model_len capped at the window, no layer windowed, the answers within it
+    # transformers'; a longer prompt refused by the usual check. A model without windows keeps its max_model_len.
+    from nanovllm.layers.attention import Attention
+    with LLM(model, kvcache_block_size=16, max_model_len=256, disable_sliding_window=True) as llm:
+        assert llm.llm_engine.model_config.max_model_len == WINDOW
+        layers = [m for m in llm.executor.runner.model.modules() if isinstance(m, Attention)]
+        assert layers and all(m.window is None for m in layers)
+        prompt = prompts(5, [8])[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert out[0]["token_ids"] == hf_greedy(model, prompt, 8)
+        with pytest.raises(ValueError, match=f"max_model_len={WINDOW}"):
+            llm.generate([prompts(6, [40])[0]], GREEDY, use_tqdm=False)
+        assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)[0]["token_ids"] == out[0]["token_ids"]  # (the engine still serves)
+    plain = make_checkpoint(tmp_path / "qwen3", seed=7)
+    with LLM(plain, kvcache_block_size=16, max_model_len=256, disable_sliding_window=True) as llm:
+        assert llm.llm_engine.model_config.max_model_len == 256
+
+
 # ---- on the GPU (marked gpu): Triton prefill and decode kernels, CUDA graphs, 16-bit and fp8 caches ----------
 
 @pytest.fixture
