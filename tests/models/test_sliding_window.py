@@ -1,7 +1,8 @@
 """Sliding-window models against transformers in float32: Gemma 3 (three local layers to one global, its own rope
 base for local layers, q/k norms), Gemma 2 (soft-capped scores and logits, alternating windows) and Mistral (every
 layer windowed), with a 16-token window and prompts far longer than it: plain, chunked prefill, a shared prefix
-(prefix cache hits) and preemption (a cache too small for every sequence at once)."""
+(prefix cache hits), preemption (a cache too small for every sequence at once), a LoRA adapter and vLLM's
+disable_sliding_window."""
 import random
 
 import pytest
@@ -63,6 +64,23 @@ def test_chunked_prefill_prefix_cache_and_preemption(model):
     assert outs[1].num_cached_tokens >= 64  # the shared prefix came from the cache
     for prompt, out in zip(batch, outs):
         assert out["token_ids"] == hf_greedy(model, prompt, GREEDY.max_tokens), len(prompt)
+
+
+def test_lora_adapter_on_windowed_models(model, tmp_path):
+    # a PEFT adapter on every projection of the windowed models gives transformers + PEFT's tokens, with prompts
+    # past the window; it changes some prompt's tokens (Gemma 2's low caps squash most changes: B scaled by 3)
+    pytest.importorskip("peft")
+    from nanovllm import LoRARequest
+    from tests.lora.adapters import make_adapter, peft_greedy
+    adapter = make_adapter(model, tmp_path / "lora", 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], scale=3.0)
+    batch = prompts(11, [5, 40, 97])
+    with LLM(model, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            lora_request=LoRARequest("windowed", 1, adapter), use_tqdm=False)
+    wants = [peft_greedy(model, adapter, prompt, 12) for prompt in batch]
+    assert [out.outputs[0].token_ids for out in outs] == wants
+    assert any(want != hf_greedy(model, prompt, 12) for prompt, want in zip(batch, wants))
 
 
 def test_disable_sliding_window_caps_the_context(model, tmp_path):
