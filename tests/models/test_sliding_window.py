@@ -1,8 +1,8 @@
 """Sliding-window models against transformers in float32: Gemma 3 (three local layers to one global, its own rope
 base for local layers, q/k norms), Gemma 2 (soft-capped scores and logits, alternating windows) and Mistral (every
 layer windowed), with a 16-token window and prompts far longer than it: plain, chunked prefill, a shared prefix
-(prefix cache hits), preemption (a cache too small for every sequence at once), a LoRA adapter and vLLM's
-disable_sliding_window."""
+(prefix cache hits), preemption (a cache too small for every sequence at once), prompt logprobs, a LoRA adapter
+and vLLM's disable_sliding_window."""
 import random
 
 import pytest
@@ -64,6 +64,23 @@ def test_chunked_prefill_prefix_cache_and_preemption(model):
     assert outs[1].num_cached_tokens >= 64  # the shared prefix came from the cache
     for prompt, out in zip(batch, outs):
         assert out["token_ids"] == hf_greedy(model, prompt, GREEDY.max_tokens), len(prompt)
+
+
+def test_prompt_logprobs_match_transformers(model):
+    # every prompt position's logprob (each query's own window, soft-caps and the final cap) against transformers'
+    # forward, whole and in 24-token chunks
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = prompts(21, [70])[0]
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        logprobs = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    want = torch.tensor([logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
+    for chunk in (16384, 24):
+        with LLM(model, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=chunk) as llm:
+            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        got = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_lora_adapter_on_windowed_models(model, tmp_path):
