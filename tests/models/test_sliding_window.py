@@ -190,9 +190,11 @@ def test_gemma_chat_template_through_chat(tmp_path):
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]  # still serving
 
 
-def test_gemma3_under_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_gemma_under_tensor_parallelism(tmp_path, name):
     # TP=2 over gloo: the sandwich norms run on the all-reduced sublayer outputs, each rank's heads keep the window
-    path = make_checkpoint(tmp_path / "gemma3", seed=7, **MODELS["gemma3"])
+    # and the soft-cap, the final cap applies to the gathered logits (Gemma 2)
+    path = make_checkpoint(tmp_path / name, seed=7, **MODELS[name])
     batch = prompts(6, [70, 9])
     with LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
         check(llm, path, batch)
