@@ -136,9 +136,8 @@ class Config:
             self.max_model_len = max_pos
         elif max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)
-        from nanovllm.models import check_model_config, model_windows  # before any weight is read
-        check_model_config(self.hf_config, self.max_model_len)
-        windows = model_windows(self.hf_config)
+        from nanovllm.models import check_model_config  # before any weight is read
+        windows = check_model_config(self.hf_config)
         if self.disable_sliding_window and windows:  # (as vLLM does: the config then states no window)
             self.max_model_len = min(self.max_model_len, windows[0])
             self.hf_config.sliding_window = None

@@ -33,16 +33,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual). On CUDA one Triton kernel
         (kernels/norm.py); the functions above are its reference and the CPU path."""
-        if self.offset:  # (Gemma's layers carry no residual into a norm)
-            if residual is not None:
-                raise ValueError("an offset RMSNorm takes no residual")
-            if x.is_cuda:
-                from nanovllm.kernels import norm
-                return norm.offset_rms_norm(x, self.weight, self.eps)
-            return offset_rms_norm(x, self.weight, self.eps)
+        if self.offset and residual is not None:  # (Gemma's layers carry no residual into a norm)
+            raise ValueError("an offset RMSNorm takes no residual")
         if x.is_cuda:
             from nanovllm.kernels import norm
-            fn, add_fn = norm.rms_norm, norm.add_rms_norm
+            fn, add_fn, offset_fn = norm.rms_norm, norm.add_rms_norm, norm.offset_rms_norm
         else:
-            fn, add_fn = rms_norm, add_rms_norm
+            fn, add_fn, offset_fn = rms_norm, add_rms_norm, offset_rms_norm
+        if self.offset:
+            return offset_fn(x, self.weight, self.eps)
         return fn(x, self.weight, self.eps) if residual is None else add_fn(x, residual, self.weight, self.eps)

@@ -123,15 +123,12 @@ def _architecture(config) -> str:
                      f"supported: {', '.join(MODEL_FLAGS)}")
 
 
-def check_model_config(config, max_model_len: int) -> None:
-    """Fail early, before any weight is read, on a model this engine would run wrongly."""
-    model_windows(config)  # (the families' flags check their config; layer_types must cover every layer)
-
-
-def model_windows(config) -> list[int]:
-    """The sliding windows the model's layers use (those its family honours), each once: [] for none."""
+def check_model_config(config) -> list[int]:
+    """Fail early, before any weight is read, on a model this engine would run wrongly (the families' flags check
+    their config; layer_types must cover every layer). Returns the sliding windows the layers use, each once, in
+    increasing order ([] for none)."""
     flags = MODEL_FLAGS[_architecture(config)](config)
-    return sorted({w for w in layer_windows(config, flags.window_pattern) if w}) if flags.windows else []
+    return sorted({w for w in layer_windows(config, flags) if w})
 
 
 def build_model(config) -> DecoderForCausalLM:

@@ -89,10 +89,12 @@ def layer_types(config, pattern: int | None = None) -> list[str]:
     return ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
-def layer_windows(config, pattern: int | None = None) -> list[int | None]:
-    """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None."""
-    window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in layer_types(config, pattern)]
+def layer_windows(config, flags: DecoderFlags) -> list[int | None]:
+    """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None; all
+    None where the family has no windows (flags.windows)."""
+    window = getattr(config, "sliding_window", None) if flags.windows else None
+    return [window if t == "sliding_attention" and window else None
+            for t in layer_types(config, flags.window_pattern)]
 
 
 @functools.lru_cache
@@ -206,9 +208,8 @@ class DecoderModel(nn.Module):
         # layer types have their own (Gemma 3's local layers)
         caches: dict[str, RotaryEmbedding] = {}
         layers = []
-        pattern = flags.window_pattern
-        windows = layer_windows(config, pattern) if flags.windows else [None] * config.num_hidden_layers
-        for i, (kind, window) in enumerate(zip(layer_types(config, pattern), windows)):
+        kinds = layer_types(config, flags.window_pattern)
+        for i, (kind, window) in enumerate(zip(kinds, layer_windows(config, flags))):
             theta, scaling = rope_settings(config, kind)
             key = repr((theta, scaling))
             if key not in caches:

@@ -259,7 +259,7 @@ def test_qwen3_30b_a3b_config():
     from nanovllm.layers.moe import SparseMoeBlock
     from nanovllm.models import check_model_config
     config = _config(os.fspath(QWEN3_30B))
-    check_model_config(config, 4096)
+    check_model_config(config)
     model = _build(config)
     blocks = [layer.mlp for layer in model.model.layers]
     assert len(blocks) == 48 and all(isinstance(b, SparseMoeBlock) for b in blocks)
