@@ -59,6 +59,8 @@ class Config:
     torch_dtype: torch.dtype = field(default=None, init=False)
     kv_cache_torch_dtype: torch.dtype = field(default=None, init=False)  # the cache's element type
     quant: object = field(default=None, init=False, repr=False)  # the weights' QuantConfig (quantization/config.py)
+    # how a prompt longer than max_model_len would fit (the request check's advice)
+    longer_prompts: str = field(default="raise max_model_len", init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> "Config":
@@ -139,6 +141,9 @@ class Config:
         from nanovllm.models import check_model_config  # before any weight is read
         windows = check_model_config(self.hf_config)
         if self.disable_sliding_window and windows:  # (as vLLM does: the config then states no window)
+            if self.max_model_len > windows[0]:
+                self.longer_prompts = (f"pass disable_sliding_window=False (it caps max_model_len at the model's "
+                                       f"{windows[0]}-token window)")
             self.max_model_len = min(self.max_model_len, windows[0])
             self.hf_config.sliding_window = None
         from nanovllm.quantization import quant_config

@@ -271,7 +271,7 @@ class DataParallelLLM(Frontend):
             raise
         self.requests = RequestChecker(config.hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
                                        config.kvcache_block_size, min(self.num_kvcache_blocks), self.tokenizer,
-                                       config.model, self._compile_grammar)
+                                       config.model, self._compile_grammar, longer=config.longer_prompts)
         logger.info("data parallel: %d replicas, %s", n, f"GPUs {gpus}" if gpus else f"{threads} CPU threads each")
 
     # ---- talking to replicas ----------------------------------------------------------------------

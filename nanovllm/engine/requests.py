@@ -52,6 +52,7 @@ class RequestChecker:
     tokenizer: object | None
     model: str
     compile_grammar: Callable | None = None
+    longer: str = "raise max_model_len"  # how a longer prompt would fit (the error's advice)
 
     def tokenize(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
         """The prompt's token ids (its last `truncate`, where given), checked against the model."""
@@ -79,10 +80,10 @@ class RequestChecker:
         max_len = self.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}: "
-                             "shorten it or raise max_model_len")
+                             f"shorten it or {self.longer}")
         if len(token_ids) == max_len:  # prompt + output must fit in max_model_len
             raise ValueError(f"prompt has {len(token_ids)} tokens: max_model_len={max_len} leaves no room for an "
-                             "output token; shorten it or raise max_model_len")
+                             f"output token; shorten it or {self.longer}")
         return token_ids
 
     def check_params(self, sampling_params: SamplingParams) -> SamplingParams:

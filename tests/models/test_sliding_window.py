@@ -111,7 +111,8 @@ def test_disable_sliding_window_caps_the_context(model, tmp_path):
         prompt = prompts(5, [8])[0]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert out[0]["token_ids"] == hf_greedy(model, prompt, 8)
-        with pytest.raises(ValueError, match=f"max_model_len={WINDOW}"):
+        with pytest.raises(ValueError, match=f"max_model_len={WINDOW}: shorten it or pass "
+                                             "disable_sliding_window=False"):
             llm.generate([prompts(6, [40])[0]], GREEDY, use_tqdm=False)
         assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                             use_tqdm=False)[0]["token_ids"] == out[0]["token_ids"]  # (the engine still serves)
