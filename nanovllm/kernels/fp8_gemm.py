@@ -17,24 +17,21 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-@triton.jit(do_not_specialize=["GROUP"])
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP, BLOCK: tl.constexpr):
-    """Row pid(0), group pid(1) of GROUP columns: its |max| / 448 as the scale, the values divided into fp8."""
-    row, group = tl.program_id(0), tl.program_id(1)
-    start = group * GROUP
-    end = tl.minimum(start + GROUP, K)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for k0 in range(start, end, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-    for k0 in range(start, end, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
-    tl.store(s_ptr + row * stride_s + group, scale)
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
+    """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns, read once as a [GROUPS, BLOCK_G] tile: each
+    group's |max| / 448 its scale, its values divided into fp8."""
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = tl.arange(0, BLOCK_G)
+    k = g[:, None] * GROUP + c[None, :]
+    mask = (c[None, :] < GROUP) & (k < K)
+    row = tl.program_id(0).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
 
 
 def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +42,13 @@ def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
-        _quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), group,
-                                   BLOCK=min(1024, triton.next_power_of_2(group)))
+        # Each value is read once, held in registers between its group's max and its division: a program takes a
+        # whole row per token, or as many groups as make about 2,048 columns.
+        block_g = triton.next_power_of_2(group)
+        per = max(1, min(2048 // block_g, triton.next_power_of_2(groups)))
+        warps = 4 if per * block_g <= 4096 else 8 if per * block_g <= 16384 else 16
+        _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+                                                     GROUPS=per, BLOCK_G=block_g, num_warps=warps)
     return q, s
 
 
