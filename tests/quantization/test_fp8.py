@@ -248,15 +248,17 @@ def test_activation_quantizer_matches_its_definition(k, group):
 
 
 @pytest.mark.interpreter
-def test_block_scaled_fp8_gemm():
-    """block_gemm on fp8 activations (scales per token and group) and block-scaled weights."""
+@pytest.mark.parametrize("rows", [20, 100])
+def test_block_scaled_fp8_gemm(rows):
+    """block_gemm on fp8 activations (scales per token and group) and block-scaled weights; small-batch and larger
+    tiles, ragged in rows and columns."""
     from nanovllm.kernels.fp8_gemm import block_gemm
     from nanovllm.quantization.fp8 import dequantize
     torch.manual_seed(1)
-    x = torch.randn(20, 256)
-    xs = x.view(20, 2, 128).abs().amax(-1) / 448.0
-    xq = (x.view(20, 2, 128) / xs[..., None]).to(torch.float8_e4m3fn).view(20, 256)
-    wq, ws = _fp8_weight(70, 256, 128)
+    x = torch.randn(rows, 256)
+    xs = x.view(rows, 2, 128).abs().amax(-1) / 448.0
+    xq = (x.view(rows, 2, 128) / xs[..., None]).to(torch.float8_e4m3fn).view(rows, 256)
+    wq, ws = _fp8_weight(200, 256, 128)
     y = block_gemm(xq, xs, wq, ws, 128, None, torch.float16)
     expected = dequantize(xq, xs, 128) @ dequantize(wq, ws, 128).t()
     torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
