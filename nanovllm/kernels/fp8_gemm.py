@@ -17,25 +17,48 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+MAX_TILE = 16384  # columns a quantizer program holds in registers; a longer group is read twice
+
+
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                   BLOCK_G: tl.constexpr):
-    """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns, read once as a [GROUPS, BLOCK_G] tile: each
-    group's |max| / 448 its scale, its values divided into fp8."""
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    c = tl.arange(0, BLOCK_G)
-    k = g[:, None] * GROUP + c[None, :]
-    mask = (c[None, :] < GROUP) & (k < K)
+    """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns: each group's |max| / 448 its scale, its
+    values divided into fp8. A group that fits BLOCK_G is read once, as a [GROUPS, BLOCK_G] tile; a longer one
+    (GROUPS 1) is read BLOCK_G columns at a time, once for its max and once to divide."""
     row = tl.program_id(0).to(tl.int64)
-    x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+    if BLOCK_G >= GROUP:
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        c = tl.arange(0, BLOCK_G)
+        k = g[:, None] * GROUP + c[None, :]
+        mask = (c[None, :] < GROUP) & (k < K)
+        x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+    else:
+        group = tl.program_id(1)
+        start = group * GROUP
+        end = tl.minimum(start + GROUP, K)
+        amax = tl.zeros((BLOCK_G,), tl.float32)
+        for k0 in range(start, end, BLOCK_G):
+            k = k0 + tl.arange(0, BLOCK_G)
+            x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        for k0 in range(start, end, BLOCK_G):
+            k = k0 + tl.arange(0, BLOCK_G)
+            x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
+            q = tl.clamp(x / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
+        tl.store(s_ptr + row * stride_s + group, scale)
 
 
 def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in fp8, scales [M, groups] float32): per token (group None: one group per row) or per token and group."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     group = group or k
     groups = triton.cdiv(k, group)
@@ -44,7 +67,7 @@ def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
     if m:
         # Each value is read once, held in registers between its group's max and its division: a program takes a
         # whole row per token, or as many groups as make about 2,048 columns.
-        block_g = triton.next_power_of_2(group)
+        block_g = min(triton.next_power_of_2(group), MAX_TILE)
         per = max(1, min(2048 // block_g, triton.next_power_of_2(groups)))
         warps = 4 if per * block_g <= 4096 else 8 if per * block_g <= 16384 else 16
         _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,

@@ -226,14 +226,15 @@ def test_w8a16_fp8_kernel(group, rows):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("k,group", [(640, None), (5000, None), (384, 128), (2560, 128), (4608, 128), (300, 64),
-                                     (480, 96)])
+@pytest.mark.parametrize("k,group", [(640, None), (5000, None), (20000, None), (384, 128), (2560, 128), (4608, 128),
+                                     (300, 64), (480, 96)])
 def test_activation_quantizer_matches_its_definition(k, group):
     """Each row (per token) or group of columns: scale |max| / 448 (exactly torch's), values x / scale in e4m3.
-    Whole rows past 4,096 columns, group counts that are not a power of two or span several programs, a ragged last
-    group; rows of very different size make a shared or misplaced scale fail. The codes are compared where the
-    interpreter converts as CUDA does: it rounds ties away from zero and halves a value that rounds up into the next
-    binade (127.4 -> 64), about 3% of these draws; a column or group read from the wrong place changes most."""
+    Whole rows past 4,096 columns and past a program's tile (20,000, read in two passes), group counts that are not
+    a power of two or span several programs, a ragged last group; rows of very different size make a shared or
+    misplaced scale fail. Every code is torch's, or one of the interpreter's own e4m3 roundings (about 3% of these
+    draws): a tie rounded away from zero (one step off), a value that rounds up into the next binade halved
+    (127.4 -> 64). A value read from the wrong column is neither."""
     from nanovllm.kernels.fp8_gemm import quantize_activations
     torch.manual_seed(k)
     x = (torch.randn(5, k) * torch.logspace(-3, 3, 5)[:, None]).to(torch.float16)
@@ -243,8 +244,10 @@ def test_activation_quantizer_matches_its_definition(k, group):
     scales = torch.stack([b.abs().amax(-1).clamp_min(1e-12) / 448.0 for b in blocks], 1)
     values = torch.cat([(b / scales[:, i:i + 1]).clamp(-448, 448) for i, b in enumerate(blocks)], 1)
     assert torch.equal(s, scales)
-    same = q.view(torch.uint8) == values.to(torch.float8_e4m3fn).view(torch.uint8)
-    assert same.float().mean() > 0.95
+    got, want = q.float(), values.to(torch.float8_e4m3fn).float()
+    interpreter_rounding = ((got - want).abs() <= want.abs() / 8 + 2 ** -9) | (got * 2 == want)
+    assert ((got == want) | interpreter_rounding).all()
+    assert (got == want).float().mean() > 0.95
 
 
 @pytest.mark.interpreter

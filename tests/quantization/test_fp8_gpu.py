@@ -52,6 +52,18 @@ def test_fp8_linear_against_float32(m, group):
     torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_activation_quantizer_on_rows_longer_than_a_tile():
+    """Per-token rows of 20,000 columns (past MAX_TILE: read in two passes) get |max| / 448 as their scale and
+    values within e4m3's rounding, at magnitudes 100^-1 to 100."""
+    from nanovllm.kernels.fp8_gemm import MAX_TILE, quantize_activations
+    assert 20000 > MAX_TILE
+    x = torch.randn(3, 20000, device="cuda") * torch.tensor([[0.01], [1.0], [100.0]], device="cuda")
+    q, s = quantize_activations(x.to(torch.bfloat16), None)
+    x = x.to(torch.bfloat16).float()
+    torch.testing.assert_close(s[:, 0], x.abs().amax(-1) / 448.0)
+    assert ((q.float() * s - x).abs() <= x.abs() / 16 + s * 2 ** -9).all()
+
+
 @pytest.mark.parametrize("arch,fmt", [("qwen3", "qwen"), ("qwen3", "compressed-tensors"), ("qwen3", "online"),
                                       ("qwen3_moe", "qwen"), ("qwen3_moe", "online")])
 def test_engine_on_fp8_weights(arch, fmt, tmp_path):
