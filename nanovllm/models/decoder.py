@@ -127,7 +127,6 @@ class DecoderAttention(nn.Module):
         half = self.head_dim // 2
         # kernels/rope.py takes heads whose half is a power of two
         self.rope_kernel_fits = half & (half - 1) == 0
-        self.norm_offset = flags.norm_offset
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
@@ -144,7 +143,8 @@ class DecoderAttention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             target = self.attn.store_target()
             q, k = qk_norm_rope_(q, k, positions, self.rotary_emb.cos_sin_cache, *norms,
-                                 store=(v, *target) if target is not None else None, offset=self.norm_offset)
+                                 store=(v, *target) if target is not None else None,
+                                 offset=self.qk_norm and self.q_norm.offset)
             stored = target is not None
         else:
             if self.qk_norm:
