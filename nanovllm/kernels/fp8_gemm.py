@@ -21,8 +21,8 @@ MAX_TILE = 16384  # columns a quantizer program holds in registers; a longer gro
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                  BLOCK_G: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns: each group's |max| / 448 its scale, its
     values divided into fp8. A group that fits BLOCK_G is read once, as a [GROUPS, BLOCK_G] tile; a longer one
     (GROUPS 1) is read BLOCK_G columns at a time, once for its max and once to divide."""
@@ -36,7 +36,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: t
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
         q = tl.clamp(x / scale[:, None], -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+        tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
     else:
         group = tl.program_id(1)
         start = group * GROUP
@@ -52,26 +52,30 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: t
             x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
             q = tl.clamp(x / scale, -448.0, 448.0)
             tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
-        tl.store(s_ptr + row * stride_s + group, scale)
+        tl.store(s_ptr + row * stride_s + group * stride_sg, scale)
 
 
-def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in fp8, scales [M, groups] float32): per token (group None: one group per row) or per token and group."""
+def quantize_activations(x: torch.Tensor, group: int | None,
+                         column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in fp8, scales [M, groups] float32): per token (group None: one group per row) or per token and group.
+    column_major: the scales laid out group by group (strides (1, M)), as _scaled_mm's 1x128 block scaling takes
+    them."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
     group = group or k
     groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    s = (torch.empty(groups, m, dtype=torch.float32, device=x.device).t() if column_major
+         else torch.empty(m, groups, dtype=torch.float32, device=x.device))
     if m:
         # Each value is read once, held in registers between its group's max and its division: a program takes a
         # whole row per token, or as many groups as make about 2,048 columns.
         block_g = min(triton.next_power_of_2(group), MAX_TILE)
         per = max(1, min(2048 // block_g, triton.next_power_of_2(groups)))
         warps = 4 if per * block_g <= 4096 else 8 if per * block_g <= 16384 else 16
-        _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
-                                                     GROUPS=per, BLOCK_G=block_g, num_warps=warps)
+        _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                                     GROUP=group, GROUPS=per, BLOCK_G=block_g, num_warps=warps)
     return q, s
 
 
@@ -185,11 +189,39 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int
     return y
 
 
+def blockwise_scaled_mm_works(device: torch.device) -> bool:
+    """Whether this torch's _scaled_mm takes DeepSeek-style block scales (1x128 on x, 128x128 on W) on `device`:
+    sm_90 and a torch built on cuBLAS 12.9 or later. Asked once per device, with a [4, 512] x [512, 256] product
+    whose scales (x's blocks 1-4; W's [[1, 3, 5, 7], [2, 4, 6, 8]], one row per 128 output columns) only block
+    scaling, read the right way round, turns into 6,400 and 7,680. (K is four blocks: cuBLASLt pads W's scale rows
+    to four, so a shorter K would read the wrong scales.)"""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _BLOCKWISE:
+        try:
+            a = torch.ones(4, 512, dtype=FP8, device=device)
+            # (float32 spelled out: the engine asks while loading, under a 16-bit default dtype)
+            f32 = dict(dtype=torch.float32, device=device)
+            sa = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 4, **f32).t().contiguous().t()  # strides (1, 4)
+            sb = torch.tensor([[1.0, 3.0, 5.0, 7.0], [2.0, 4.0, 6.0, 8.0]], **f32)  # [N / 128, K / 128]
+            y = torch._scaled_mm(a, torch.ones(256, 512, dtype=FP8, device=device).t(), scale_a=sa, scale_b=sb.t(),
+                                 out_dtype=torch.bfloat16)
+            _BLOCKWISE[key] = bool((y[:, :128] == 6400).all() and (y[:, 128:] == 7680).all())
+        except (RuntimeError, ValueError):
+            _BLOCKWISE[key] = False
+    return _BLOCKWISE[key]
+
+
+_BLOCKWISE: dict[int, bool] = {}
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
-               bias: torch.Tensor | None, activations: bool = True) -> torch.Tensor:
+               bias: torch.Tensor | None, activations: bool = True,
+               block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantized(weight)^T (+ bias), x's dtype out; weight fp8 [N, K]; scale [N] (per channel) or [N, groups]
     (per `group` columns). activations: x may be quantized to fp8 (a checkpoint with dynamic fp8 activations);
-    False keeps it as it is (weight-only checkpoints)."""
+    False keeps it as it is (weight-only checkpoints). block_scale: the same scales one per 128 x 128 block
+    ([N / 128, K / 128]; group 128, K / 128 a multiple of 4), for cuBLASLt's block-scaled GEMM where
+    blockwise_scaled_mm_works; bfloat16 x only."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
@@ -201,6 +233,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
         return y.reshape(*shape[:-1], weight.shape[0])
     if small or not activations:
         return w8a16(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])
+    if block_scale is not None and x.dtype == torch.bfloat16:  # (the dtype the probe and PyTorch's tests use)
+        m = x.shape[0]
+        if m % 4:  # (cuBLASLt's block-scaled GEMM takes rows in fours)
+            x = torch.cat([x, x.new_zeros(4 - m % 4, x.shape[1])])
+        q, s = quantize_activations(x, group, column_major=True)
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=block_scale.t(), out_dtype=x.dtype)[:m]
+        if bias is not None:
+            y += bias
+        return y.reshape(*shape[:-1], weight.shape[0])
     q, s = quantize_activations(x, group)
     if scale.dim() == 1:
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)

@@ -42,6 +42,7 @@ class Fp8Linear:
     def __init__(self, config: QuantConfig):
         self.config = config
         self.block_rows, self.group = config.block
+        self.block_scale: torch.Tensor | None = None  # (finish) the scales per 128 x 128 block, for cuBLASLt
         self.scale_name = config.scale_name
 
     # ---- making and loading the weights ----------------------------------------------------------------
@@ -89,12 +90,26 @@ class Fp8Linear:
             return None
         layer.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = scale  # [out] or [out, groups], float32
+        self.block_scale = self._block_scale(weight, scale)
         return self
+
+    def _block_scale(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """The scales one per 128 x 128 block ([out / 128, groups]) where every 128 rows of this (packed, sharded)
+        weight share theirs and cuBLASLt's block-scaled GEMM runs here; else None (the Triton block GEMM).
+        cuBLASLt reads W's scales with their rows padded to 4 blocks, which _scaled_mm's layout cannot express: K
+        must be a whole number of 512 columns (PyTorch #166752: silent wrong answers otherwise)."""
+        from nanovllm.kernels.fp8_gemm import blockwise_scaled_mm_works
+        out, inp = weight.shape
+        if self.group != 128 or out % 128 or inp % 512 or not blockwise_scaled_mm_works(weight.device):
+            return None
+        blocks = scale[::128].contiguous()
+        return blocks if torch.equal(blocks.repeat_interleave(128, 0), scale) else None
 
     # ---- the product --------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from nanovllm.kernels.fp8_gemm import fp8_linear
-        return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations)
+        return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations,
+                          self.block_scale)
 
 
 def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_rows: int,

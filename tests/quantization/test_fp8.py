@@ -228,7 +228,8 @@ def test_w8a16_fp8_kernel(group, rows):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("k,group", [(640, None), (5000, None), (20000, None), (384, 128), (2560, 128), (4608, 128),
                                      (300, 64), (480, 96)])
-def test_activation_quantizer_matches_its_definition(k, group):
+@pytest.mark.parametrize("column_major", [False, True])
+def test_activation_quantizer_matches_its_definition(k, group, column_major):
     """Each row (per token) or group of columns: scale |max| / 448 (exactly torch's), values x / scale in e4m3.
     Whole rows past 4,096 columns and past a program's tile (20,000, read in two passes), group counts that are not
     a power of two or span several programs, a ragged last group; rows of very different size make a shared or
@@ -238,7 +239,8 @@ def test_activation_quantizer_matches_its_definition(k, group):
     from nanovllm.kernels.fp8_gemm import quantize_activations
     torch.manual_seed(k)
     x = (torch.randn(5, k) * torch.logspace(-3, 3, 5)[:, None]).to(torch.float16)
-    q, s = quantize_activations(x, group)
+    q, s = quantize_activations(x, group, column_major)
+    assert s.stride() == ((1, 5) if column_major else (s.shape[1], 1))
     g = group or k
     blocks = [x[:, i:i + g].float() for i in range(0, k, g)]
     scales = torch.stack([b.abs().amax(-1).clamp_min(1e-12) / 448.0 for b in blocks], 1)

@@ -64,6 +64,68 @@ def test_activation_quantizer_on_rows_longer_than_a_tile():
     assert ((q.float() * s - x).abs() <= x.abs() / 16 + s * 2 ** -9).all()
 
 
+@pytest.mark.parametrize("m", [17, 100, 1001])
+def test_block_scaled_product_through_cublaslt(m):
+    """Where this torch's _scaled_mm takes 128 x 128 block scales, fp8_linear with block_scale gives the product of
+    the dequantized operands (as the Triton block GEMM does), rows not a multiple of four included."""
+    from nanovllm.kernels.fp8_gemm import blockwise_scaled_mm_works, fp8_linear, quantize_activations
+    if not blockwise_scaled_mm_works(torch.device("cuda")):
+        pytest.skip("this torch's _scaled_mm has no 128 x 128 block scaling on this GPU")
+    torch.manual_seed(m)
+    n, k = 384, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    blocks = (torch.randn(n, k, device="cuda") * 0.05).view(n // 128, 128, k // 128, 128)
+    s128 = blocks.abs().amax((1, 3)) / 448.0 * torch.rand(n // 128, k // 128, device="cuda").add(0.5)
+    wq = (blocks / s128[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
+    ws = s128.repeat_interleave(128, 0)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = fp8_linear(x, wq, ws, 128, bias, block_scale=s128)
+    q, s = quantize_activations(x, 128)
+    expected = _reference(q, s, wq, ws, 128) + bias.float()
+    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(y, fp8_linear(x, wq, ws, 128, bias, block_scale=s128.flip(0)))  # the scales are read
+
+
+def test_block_scales_for_cublaslt_only_where_it_reads_them_right():
+    """Fp8Linear hands cuBLASLt its 128 x 128 scales only for K a multiple of 512 (cuBLASLt pads each row of them
+    to 4 blocks) and for weights whose every 128 rows share their scales (a packed layer's parts aligned)."""
+    from nanovllm.kernels.fp8_gemm import blockwise_scaled_mm_works
+    from nanovllm.quantization.config import QuantConfig
+    from nanovllm.quantization.fp8 import Fp8Linear
+    if not blockwise_scaled_mm_works(torch.device("cuda")):
+        pytest.skip("this torch's _scaled_mm has no 128 x 128 block scaling on this GPU")
+    method = Fp8Linear(QuantConfig(method="fp8", block=(128, 128), online=False, scale_name="weight_scale_inv",
+                                   ignore=(), activations=True))
+
+    def block_scale(n, k, scale):
+        return method._block_scale(torch.zeros(n, k, dtype=torch.float8_e4m3fn, device="cuda"), scale)
+
+    s = torch.rand(3, 8, device="cuda")
+    assert torch.equal(block_scale(384, 1024, s.repeat_interleave(128, 0)), s)
+    assert block_scale(384, 1280, torch.rand(3, 10, device="cuda").repeat_interleave(128, 0)) is None  # K / 128 = 10
+    assert block_scale(384, 1024, torch.rand(384, 8, device="cuda")) is None  # rows within a block differ
+
+
+def test_engine_hands_cublaslt_block_scales(tmp_path):
+    """The engine's layers on a block-scaled checkpoint take cuBLASLt's block-scaled GEMM where it runs: the probe
+    is asked while the weights load (under a 16-bit default dtype), and its answer reaches every layer whose K is a
+    multiple of 512 (here all of them: hidden 512, q heads 512 wide, intermediate 1,024)."""
+    import nanovllm.kernels.fp8_gemm as fp8_gemm
+    from nanovllm.layers.linear import LinearBase
+    if not fp8_gemm.blockwise_scaled_mm_works(torch.device("cuda")):
+        pytest.skip("this torch's _scaled_mm has no 128 x 128 block scaling on this GPU")
+    fp8_gemm._BLOCKWISE.clear()  # (asked afresh, inside the engine's load)
+    base = make_checkpoint(tmp_path / "base", "qwen3", tie=True, num_kv_heads=2, num_heads=4, head_dim=128,
+                           hidden=512, intermediate_size=1024, seed=3)
+    fp8, _ = make_fp8(base, tmp_path / "fp8", "qwen", tmp_path / "reference")
+    with LLM(fp8, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=64,
+             max_model_len=256) as llm:
+        layers = [m for m in llm.executor.runner.model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+        assert layers and all(m.quant.block_scale is not None for m in layers)
+        out = llm.generate([[1, 2, 3, 4, 5] * 10], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 4
+
+
 @pytest.mark.parametrize("arch,fmt", [("qwen3", "qwen"), ("qwen3", "compressed-tensors"), ("qwen3", "online"),
                                       ("qwen3_moe", "qwen"), ("qwen3_moe", "online")])
 def test_engine_on_fp8_weights(arch, fmt, tmp_path):
