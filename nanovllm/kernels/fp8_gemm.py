@@ -6,8 +6,10 @@ docs/quantization.md).
 
 - Per-channel weight scales: x quantized per token (a scale per row), then torch._scaled_mm (cuBLASLt's fp8 GEMM)
   with row-wise scales on both sides.
-- Block scales (a scale per output row and group of GROUP input columns): x quantized per token and group, then
-  the Triton kernel below, which adds each group's product times both scales (the DeepSeek/Qwen FP8 recipe).
+- Block scales (a scale per output row and group of GROUP input columns): x quantized per token and group. Then
+  torch._scaled_mm's block scaling (cuBLASLt's DeepSeek-style GEMM) where the caller passes the scales one per
+  128 x 128 block (quantization/fp8.py decides; blockwise_scaled_mm_works says this torch runs it), else the
+  Triton kernel below, which adds each group's product times both scales (the DeepSeek/Qwen FP8 recipe).
 The torch references (quantization/fp8.py's dequantize) are the tests' oracles."""
 import torch
 import triton

@@ -106,24 +106,51 @@ def test_block_scales_for_cublaslt_only_where_it_reads_them_right():
     assert block_scale(384, 1024, torch.rand(384, 8, device="cuda")) is None  # rows within a block differ
 
 
+def test_probe_finds_block_scaling_where_pytorch_offers_it():
+    """On sm_90 with torch built on CUDA 12.9 or later, PyTorch's _scaled_mm takes 128 x 128 block scales: the probe
+    must say so (a probe that wrongly says no would only skip the tests below)."""
+    from nanovllm.kernels.fp8_gemm import blockwise_scaled_mm_works
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if torch.cuda.get_device_capability() != (9, 0) or cuda < (12, 9):
+        pytest.skip("PyTorch offers block-scaled _scaled_mm on sm_90 with CUDA 12.9 or later")
+    assert blockwise_scaled_mm_works(torch.device("cuda"))
+
+
 def test_engine_hands_cublaslt_block_scales(tmp_path):
     """The engine's layers on a block-scaled checkpoint take cuBLASLt's block-scaled GEMM where it runs: the probe
     is asked while the weights load (under a 16-bit default dtype), and its answer reaches every layer whose K is a
-    multiple of 512 (here all of them: hidden 512, q heads 512 wide, intermediate 1,024)."""
+    multiple of 512 (here all of them: hidden 512, q heads 512 wide, intermediate 1,024). Its greedy tokens are
+    those of the same engine on the Triton block GEMM (the same quantized operands, another summation order), but
+    at near-ties of this tiny random model's close logits; scales read wrongly would agree by chance (1 in 400)."""
     import nanovllm.kernels.fp8_gemm as fp8_gemm
     from nanovllm.layers.linear import LinearBase
-    if not fp8_gemm.blockwise_scaled_mm_works(torch.device("cuda")):
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not fp8_gemm.blockwise_scaled_mm_works(device):
         pytest.skip("this torch's _scaled_mm has no 128 x 128 block scaling on this GPU")
-    fp8_gemm._BLOCKWISE.clear()  # (asked afresh, inside the engine's load)
     base = make_checkpoint(tmp_path / "base", "qwen3", tie=True, num_kv_heads=2, num_heads=4, head_dim=128,
                            hidden=512, intermediate_size=1024, seed=3)
     fp8, _ = make_fp8(base, tmp_path / "fp8", "qwen", tmp_path / "reference")
-    with LLM(fp8, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=64,
-             max_model_len=256) as llm:
-        layers = [m for m in llm.executor.runner.model.modules() if isinstance(m, LinearBase) and m.quant is not None]
-        assert layers and all(m.quant.block_scale is not None for m in layers)
-        out = llm.generate([[1, 2, 3, 4, 5] * 10], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(out[0]["token_ids"]) == 4
+    rng = random.Random(0)
+    prompts = [[rng.randrange(400) for _ in range(n)] for n in (3, 17, 70, 200)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    try:
+        for cublaslt in (True, False):
+            fp8_gemm._BLOCKWISE.clear()  # (asked afresh, inside the engine's load)
+            if not cublaslt:
+                fp8_gemm._BLOCKWISE[device.index] = False  # the Triton block GEMM on every layer
+            with LLM(fp8, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=256,
+                     max_model_len=512) as llm:
+                layers = [m for m in llm.executor.runner.model.modules()
+                          if isinstance(m, LinearBase) and m.quant is not None]
+                assert layers and all((m.quant.block_scale is not None) == cublaslt for m in layers)
+                runs.append([o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)])
+    finally:
+        fp8_gemm._BLOCKWISE.clear()
+    first = sum(a[0] == b[0] for a, b in zip(*runs))
+    agree = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b))
+    print(f"cuBLASLt against the Triton block GEMM: first tokens equal {first}/4, tokens equal {agree}/64")
+    assert first >= 2 and agree >= 16
 
 
 @pytest.mark.parametrize("arch,fmt", [("qwen3", "qwen"), ("qwen3", "compressed-tensors"), ("qwen3", "online"),
