@@ -241,14 +241,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
             x = torch.cat([x, x.new_zeros(4 - m % 4, x.shape[1])])
         q, s = quantize_activations(x, group, column_major=True)
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=block_scale.t(), out_dtype=x.dtype)[:m]
-        if bias is not None:
-            y += bias
-        return y.reshape(*shape[:-1], weight.shape[0])
-    q, s = quantize_activations(x, group)
-    if scale.dim() == 1:
+    elif scale.dim() == 1:
+        q, s = quantize_activations(x, group)
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)
-        if bias is not None:
-            y += bias
     else:
+        q, s = quantize_activations(x, group)
         y = block_gemm(q, s, weight, scale, group, bias, x.dtype)
+        bias = None  # (added inside)
+    if bias is not None:
+        y += bias
     return y.reshape(*shape[:-1], weight.shape[0])
