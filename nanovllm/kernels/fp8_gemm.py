@@ -95,22 +95,29 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, s
     rows_in_band = tl.minimum(grid_m - first_m, SWIZZLE)
     pid_m = first_m + (pid % per_band) % rows_in_band
     pid_n = (pid % per_band) // rows_in_band
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The tile's first row and column as 64-bit pointer offsets (M * K passes 2^31 at 175k rows of K 12,288), the
+    # offsets inside the tile 32-bit.
+    a_ptr += (pid_m * BLOCK_M).to(tl.int64) * stride_a
+    c_ptr += (pid_m * BLOCK_M).to(tl.int64) * stride_c
+    sa_ptr += (pid_m * BLOCK_M).to(tl.int64) * stride_sa
+    b_ptr += (pid_n * BLOCK_N).to(tl.int64) * stride_b
+    sb_ptr += (pid_n * BLOCK_N).to(tl.int64) * stride_sb
+    im, jn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + jn
     rk = tl.arange(0, BLOCK_K)
-    mmask, nmask = rm < M, rn < N
+    mmask, nmask = pid_m * BLOCK_M + im < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_a + k[None, :], mask=mmask[:, None] & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * stride_b + k[:, None], mask=nmask[None, :] & (k[:, None] < K), other=0.0)
+        a = tl.load(a_ptr + im[:, None] * stride_a + k[None, :], mask=mmask[:, None] & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + jn[None, :] * stride_b + k[:, None], mask=nmask[None, :] & (k[:, None] < K), other=0.0)
         g = k0 // GROUP
-        sa = tl.load(sa_ptr + rm * stride_sa + g, mask=mmask, other=0.0)
-        sb = tl.load(sb_ptr + rn * stride_sb + g, mask=nmask, other=0.0)
+        sa = tl.load(sa_ptr + im * stride_sa + g, mask=mmask, other=0.0)
+        sb = tl.load(sb_ptr + jn * stride_sb + g, mask=nmask, other=0.0)
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_c + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + im[:, None] * stride_c + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
@@ -146,8 +153,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w
     type, so each step's product is exact up to the accumulation; the scales multiply the float32 sums: per group
     of GROUP columns (BLOCKED, BLOCK_K = GROUP) or per row at the end."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    nmask, mmask = rn < N, rm < M
+    first_m = tl.program_id(1) * BLOCK_M
+    x_ptr += first_m.to(tl.int64) * stride_x  # (64-bit: weight-only layers take any number of rows)
+    y_ptr += first_m.to(tl.int64) * stride_y
+    rm = tl.arange(0, BLOCK_M)
+    nmask, mmask = rn < N, first_m + rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

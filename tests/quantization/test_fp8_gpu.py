@@ -86,6 +86,37 @@ def test_block_scaled_product_through_cublaslt(m):
     assert not torch.equal(y, fp8_linear(x, wq, ws, 128, bias, block_scale=s128.flip(0)))  # the scales are read
 
 
+@pytest.mark.parametrize("kernel", ["block_gemm", "w8a16"])
+def test_triton_products_past_two_to_the_31_elements(kernel):
+    """Rows whose offsets pass 2^31 elements (M * K >= 2^31: 524,488 rows of 4,096) are read and written where they
+    are: every row is zero but the last 256, whose products are checked (a 32-bit offset would wrap onto other
+    rows' memory)."""
+    from nanovllm.kernels.fp8_gemm import block_gemm, w8a16
+    from nanovllm.quantization.fp8 import dequantize
+    torch.manual_seed(0)
+    n, k, tail = 128, 4096, 256
+    m = 2 ** 31 // k + 200
+    w = torch.randn(n, k, device="cuda") * 0.05
+    ws = w.view(n, k // 128, 128).abs().amax(-1) / 448.0
+    wq = (w.view(n, k // 128, 128) / ws[..., None]).to(torch.float8_e4m3fn).view(n, k)
+    x = torch.randn(tail, k, device="cuda")
+    if kernel == "block_gemm":
+        xs = x.view(tail, k // 128, 128).abs().amax(-1) / 448.0
+        xq = (x.view(tail, k // 128, 128) / xs[..., None]).to(torch.float8_e4m3fn).view(tail, k)
+        a = torch.zeros(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+        sa = torch.ones(m, k // 128, device="cuda")
+        a[-tail:], sa[-tail:] = xq, xs
+        y = block_gemm(a, sa, wq, ws, 128, None, torch.bfloat16)
+        expected = dequantize(xq, xs, 128) @ dequantize(wq, ws, 128).t()
+    else:
+        a = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+        a[-tail:] = x.to(torch.bfloat16)
+        y = w8a16(a, wq, ws, 128, None)
+        expected = a[-tail:].float() @ dequantize(wq, ws, 128).t()
+    torch.testing.assert_close(y[-tail:].float(), expected, atol=3e-2, rtol=2e-2)
+    assert not y[:-tail].any()
+
+
 def test_block_scales_for_cublaslt_only_where_it_reads_them_right():
     """Fp8Linear hands cuBLASLt its 128 x 128 scales only for K a multiple of 512 (cuBLASLt pads each row of them
     to 4 blocks) and for weights whose every 128 rows share their scales (a packed layer's parts aligned)."""
@@ -179,3 +210,4 @@ def test_engine_on_fp8_weights(arch, fmt, tmp_path):
     agree = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b))
     print(f"{arch} {fmt}: first tokens equal {sum(first)}/{len(first)}, tokens equal {agree}/{16 * len(prompts)}")
     assert sum(first) >= 2 and agree >= 10
+
