@@ -15,6 +15,7 @@ from nanovllm.layers import cpu_weights
 from nanovllm.layers.attention import Attention, get_backend
 from nanovllm.layers.attention.fp8 import is_fp8
 from nanovllm.layers.context import get_context, reset_context, set_context, to_device_packed
+from nanovllm.layers.linear import deferred_weights
 from nanovllm.lora.stack import step_slots
 from nanovllm.models import build_model
 from nanovllm.outputs import Logprob
@@ -116,11 +117,14 @@ class ModelRunner:
         return model.eval()
 
     def _build(self) -> nn.Module:
-        """The model, its quantized layers' weights made as the checkpoint holds them."""
-        model = build_model(self.config.hf_config)
-        if self.config.quant is not None:
-            from nanovllm.quantization.fp8 import quantize_model
-            quantize_model(model, self.config.quant)
+        """The model, its quantized layers' weights made as the checkpoint holds them (fp8: the 16-bit weights the
+        layers would make are never allocated, so an fp8 model needs only its fp8 size to load)."""
+        if self.config.quant is None:
+            return build_model(self.config.hf_config)
+        from nanovllm.quantization.fp8 import quantize_model
+        with deferred_weights():
+            model = build_model(self.config.hf_config)
+        quantize_model(model, self.config.quant)
         return model
 
     def _capture_graphs(self, warm_up: bool = True):

@@ -1,6 +1,9 @@
 """Tensor-parallel linear layers. Each parameter carries a weight_loader that takes the full
 checkpoint tensor and copies this rank's shard into it. Sizes divide evenly by the number of ranks: the engine
 checks that once, before any process starts (tensor_parallel.check_tensor_parallel)."""
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +44,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+_deferred = False  # (deferred_weights) weights created now are shapes only
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear and expert weights created in this scope are shapes only (meta tensors): a quantized model's layers
+    are then given their weights in the form they keep (quantization/fp8.py's quantize_model, then
+    allocate_deferred), so its 16-bit weights never exist all at once."""
+    global _deferred
+    outer, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = outer
+
+
+def new_weight(*shape: int) -> nn.Parameter:
+    """An uninitialized weight for a weight_loader to fill (meta inside deferred_weights)."""
+    return nn.Parameter(torch.empty(*shape, device="meta" if _deferred else None), requires_grad=False)
+
+
+def allocate_deferred(model: nn.Module):
+    """Allocate every parameter of `model` still on meta on the current default device (its attributes, such as
+    weight_loader, kept)."""
+    device = torch.get_default_device()
+    if device.type == "meta":
+        return
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                module._parameters[name] = new
+
+
 class LinearBase(nn.Module):
     packs_on_cpu = True  # layers/cpu_weights.py packs the weight for oneDNN (float32 on CPU)
 
@@ -52,7 +90,7 @@ class LinearBase(nn.Module):
         self.tp_group = get_tp_group()
         self.lora = None  # a LoRAStack (lora/stack.py) with enable_lora: each token's adapter update added to y
         self.quant = None  # a quant method (quantization/fp8.py) for quantized weights: it computes x @ W^T
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight = new_weight(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -66,7 +104,10 @@ class LinearBase(nn.Module):
             return self.quant.apply(self, x, bias)
         return linear(x, self.weight, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+    def placements(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard_id=None) -> list[tuple[tuple | slice, torch.Tensor]]:
+        """Where this rank's part of checkpoint tensor `loaded` goes: (index into param, the part) pairs.
+        ValueError for a tensor of the wrong shape."""
         full = list(param.shape)  # the unsharded shape the checkpoint holds
         sharded = self.tp_dim is not None and param.dim() > self.tp_dim
         if sharded:
@@ -75,7 +116,11 @@ class LinearBase(nn.Module):
         if sharded:
             size = param.size(self.tp_dim)
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
-        param.data.copy_(loaded)
+        return [(slice(None), loaded)]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        for index, part in self.placements(param, loaded, shard_id):
+            param.data[index].copy_(part)
 
 
 class ReplicatedLinear(LinearBase):
@@ -106,12 +151,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         check_weight_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        dst = param.data.narrow(0, offset, size)
-        dst.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        return [(slice(offset, offset + size), loaded.narrow(0, self.tp_rank * size, size))]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -123,11 +167,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         check_weight_shape(loaded, (size * self.tp_size, *param.shape[1:]))
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        return [(slice(offset, offset + size), loaded.narrow(0, self.tp_rank * size, size))]
 
 
 class RowParallelLinear(LinearBase):

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanovllm.checkpoint.loader import check_weight_shape
 from nanovllm.distributed.group import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.linear import ReplicatedLinear, new_weight
 
 GATE, UP = 0, 1  # the parts of gate_up_proj, as shard ids of the per-expert checkpoint tensors
 
@@ -76,9 +76,8 @@ class StackedExperts(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.quant = None  # fp8 experts: their quant method (quantization/fp8.Fp8Experts)
         self.intermediate = intermediate_size // self.tp_size  # this rank's share
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
+        self.gate_up_proj = new_weight(num_experts, 2 * self.intermediate, hidden_size)
+        self.down_proj = new_weight(num_experts, hidden_size, self.intermediate)
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
         # what require_all checks when the parameter is loaded expert by expert
@@ -95,31 +94,44 @@ class StackedExperts(nn.Module):
             raise ValueError(f"expert {expert} does not exist (the config has num_experts={self.num_experts})")
         return expert
 
-    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
+    def placements(self, part: str, param: nn.Parameter, loaded: torch.Tensor,
+                   shard_id: tuple[int, int] | None = None) -> list[tuple[tuple | slice | int, torch.Tensor]]:
+        """Where this rank's part of checkpoint tensor `loaded`, for `part` ("gate_up_proj" or "down_proj": the
+        weight, or for fp8 experts its scales), goes: (index into param, the part) pairs. ValueError for a tensor
+        of the wrong shape or an expert that does not exist."""
+        if part == "gate_up_proj":
+            return self._gate_up_placements(param, loaded, shard_id)
+        return self._down_placements(param, loaded, shard_id)
+
+    def _gate_up_placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None):
         full, size = self.intermediate * self.tp_size, self.intermediate
         if shard_id is None:  # [E, 2 * I, H]: gate rows, then up rows
             check_weight_shape(loaded, (self.num_experts, 2 * full, self.hidden_size))
-            for part in (GATE, UP):
-                rows = loaded.narrow(1, part * full, full)
-                param.data[:, part * size:(part + 1) * size].copy_(self._rank_slice(rows, 1))
-            return
+            return [((slice(None), slice(part * size, (part + 1) * size)),
+                     self._rank_slice(loaded.narrow(1, part * full, full), 1)) for part in (GATE, UP)]
         expert, part = self._expert(shard_id), shard_id[1]
         check_weight_shape(loaded, (full, *param.shape[2:]))  # (an fp8 weight's scales: [rows(, groups)])
-        param.data[expert, part * size:(part + 1) * size].copy_(self._rank_slice(loaded, 0))
+        return [((expert, slice(part * size, (part + 1) * size)), self._rank_slice(loaded, 0))]
 
-    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
+    def _down_placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None):
         full = self.intermediate * self.tp_size
         if shard_id is None:  # [E, H, I]
             check_weight_shape(loaded, (self.num_experts, self.hidden_size, full))
-            param.data.copy_(self._rank_slice(loaded, 2))
-            return
+            return [(slice(None), self._rank_slice(loaded, 2))]
         if param.dim() == 2:  # per-row scales of fp8 weights: [H]
             check_weight_shape(loaded, (self.hidden_size,))
-            param.data[self._expert(shard_id)].copy_(loaded)
-            return
+            return [(self._expert(shard_id), loaded)]
         cols = param.shape[2]  # I / tp (block scales: its groups)
         check_weight_shape(loaded, (self.hidden_size, cols * self.tp_size))
-        param.data[self._expert(shard_id)].copy_(self._rank_slice(loaded, 1, cols))
+        return [(self._expert(shard_id), self._rank_slice(loaded, 1, cols))]
+
+    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
+        for index, part in self._gate_up_placements(param, loaded, shard_id):
+            param.data[index].copy_(part)
+
+    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
+        for index, part in self._down_placements(param, loaded, shard_id):
+            param.data[index].copy_(part)
 
 
 class SparseMoeBlock(nn.Module):

@@ -4,7 +4,10 @@ A quantized layer holds its weight as float8_e4m3fn [out, in] and one float32 sc
 `block[1]` input columns ([out, groups]; a per-channel scale is one group, kept as [out]): a checkpoint's block
 scales are repeated over their block's rows when loaded, so packed layers (q/k/v, gate/up) and tensor parallelism
 shard scales exactly as they shard weights, whatever the sizes. Tensor parallelism splits a row-parallel layer's
-groups too, so its per-rank input width must be a whole number of groups.
+groups too, so its per-rank input width must be a whole number of groups. With quantization="fp8" (online) the
+16/32-bit checkpoint is quantized per row as each tensor loads (a row-parallel layer's rows: this rank's part), and
+the model is built with its linear and expert weights deferred (layers/linear.py's deferred_weights), so no 16-bit
+copy of the quantized weights is ever allocated whole.
 
 On CPU the weights are dequantized to float32 once loaded (the engine then runs the plain layer: the format logic is
 what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
@@ -23,8 +26,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-channel) fp8: (w / scale in fp8, scale [rows] float32), scale = the row's |max| / 448."""
-    scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    return (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    w = w.float()
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -47,12 +51,16 @@ class Fp8Linear:
 
     # ---- making and loading the weights ----------------------------------------------------------------
     def create_weights(self, layer: nn.Module, name: str):
-        """Replace the layer's weight with an fp8 one and add its scales, loaded through the layer's own loaders
-        (online quantization keeps the 16/32-bit weight until `finish`)."""
-        if self.config.online:
-            return
+        """Give the layer an fp8 weight and its scales, loaded through the layer's own loaders (online: its
+        checkpoint's 16/32-bit weights quantized per row as they load, one tensor at a time)."""
         out, inp = layer.weight.shape
         layer.weight = nn.Parameter(torch.empty(out, inp, dtype=FP8), requires_grad=False)
+        if self.config.online:
+            self.dtype = torch.get_default_dtype()  # (the 16-bit layer's dtype: weights are rounded to it first)
+            self.scale = torch.ones(out, dtype=torch.float32)  # (not a checkpoint tensor; dummy weights leave ones)
+            layer.weight.weight_loader = (lambda param, loaded, shard_id=None:
+                                          self._load_online(layer, param, loaded, shard_id))
+            return
         layer.weight.weight_loader = layer.weight_loader
         if self.group is None:
             shape = (out,)
@@ -65,6 +73,13 @@ class Fp8Linear:
         scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         scale.weight_loader = lambda param, loaded, shard_id=None: self._load_scale(layer, param, loaded, shard_id)
         setattr(layer, self.scale_name, scale)
+
+    def _load_online(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
+        """A 16/32-bit checkpoint tensor (one part of a packed layer), this rank's part quantized per row."""
+        for index, part in layer.placements(param, loaded, shard_id):
+            q, scale = quantize_rows(part.to(param.device, self.dtype))
+            param.data[index].copy_(q)
+            self.scale[index].copy_(scale)
 
     def _load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """A checkpoint's scales for this layer (or one part of a packed one) as the layer keeps them: block rows
@@ -79,10 +94,11 @@ class Fp8Linear:
     def finish(self, layer: nn.Module) -> "Fp8Linear | None":
         """After loading: the method the layer keeps (None: a plain layer now). CPU: the weights dequantized to
         float32 (online: rounded through fp8 per channel, so the engine computes what fp8 weights give)."""
+        weight = layer.weight.data
         if self.config.online:
-            weight, scale = quantize_rows(layer.weight.data)
+            scale = self.scale
         else:
-            weight, scale = layer.weight.data, getattr(layer, self.scale_name).data
+            scale = getattr(layer, self.scale_name).data
             delattr(layer, self.scale_name)
         if not weight.is_cuda:
             layer.weight = nn.Parameter(dequantize(weight, scale, self.group), requires_grad=False)
@@ -157,7 +173,17 @@ class Fp8Experts:
         self.scale_name = config.scale_name
 
     def create_weights(self, experts: nn.Module, name: str):
-        if self.config.online:
+        if self.config.online:  # fp8 weights, filled by quantizing each checkpoint tensor per row as it loads
+            self.dtype = torch.get_default_dtype()
+            self.online_scales = {}
+            for part in self.PARTS:
+                old = getattr(experts, part)
+                weight = nn.Parameter(torch.empty(old.shape, dtype=FP8), requires_grad=False)
+                weight.weight_loader = (lambda param, loaded, shard_id=None, part=part:
+                                        self._load_online(experts, part, param, loaded, shard_id))
+                weight.shard_ids = old.shard_ids
+                setattr(experts, part, weight)
+                self.online_scales[part] = torch.ones(old.shape[:-1], dtype=torch.float32)
             return
         if self.group is not None and experts.tp_size > 1 and experts.intermediate % self.group:
             raise ValueError(f"{name}: its experts' intermediate size is split over {experts.tp_size} ranks into "
@@ -189,12 +215,18 @@ class Fp8Experts:
         loaded = scales_per_row(loaded, rows, groups, self.block_rows, self.group)
         getattr(experts, part).weight_loader(param, loaded, shard_id)
 
+    def _load_online(self, experts: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id):
+        for index, piece in experts.placements(part, param, loaded, shard_id):
+            q, scale = quantize_rows(piece.to(param.device, self.dtype))
+            param.data[index].copy_(q)
+            self.online_scales[part][index].copy_(scale)
+
     def finish(self, experts: nn.Module) -> "Fp8Experts | None":
         """After loading: the method the experts keep (None on CPU, where they are dequantized to float32)."""
         scales = []
         for part in self.PARTS:
             if self.config.online:
-                weight, scale = quantize_rows(getattr(experts, part).data)
+                weight, scale = getattr(experts, part).data, self.online_scales.pop(part)
             else:
                 weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
                 delattr(experts, f"{part}_{self.scale_name}")
@@ -213,7 +245,7 @@ class Fp8Experts:
 def quantize_model(model: nn.Module, config: QuantConfig):
     """Give every linear layer the config quantizes an Fp8Linear, and every MoE layer's experts an Fp8Experts (their
     weights made for loading); MoE routers stay 16-bit, as in the checkpoints."""
-    from nanovllm.layers.linear import LinearBase, ReplicatedLinear
+    from nanovllm.layers.linear import LinearBase, ReplicatedLinear, allocate_deferred
     from nanovllm.layers.moe import StackedExperts
     names = checkpoint_names(model)
     for name, module in model.named_modules():
@@ -224,6 +256,7 @@ def quantize_model(model: nn.Module, config: QuantConfig):
         elif isinstance(module, StackedExperts) and config.quantizes(f"{name}.0.gate_proj"):
             module.quant = Fp8Experts(config)
             module.quant.create_weights(module, name)
+    allocate_deferred(model)  # the weights left 16-bit (a model built under deferred_weights)
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:

@@ -81,6 +81,52 @@ def test_the_bundled_model_keeps_its_answers_in_fp8(bundled):
     assert sum(a == b for a, b in zip(plain, fp8)) >= 2, (plain, fp8)
 
 
+@pytest.mark.parametrize("model,quantization", [("qwen_fp8", None), ("base", "fp8"), ("moe", "fp8")])
+def test_quantized_weights_are_never_allocated_in_16_bits(model, quantization, request, tmp_path, monkeypatch):
+    """Building a quantized model makes its quantized layers' weights in fp8 only: no 16/32-bit tensor of a
+    quantized weight's shape (q/k/v, o, gate/up, down, the stacked experts) is allocated, so an fp8 model needs only
+    its fp8 size to load. The embedding, kept 16-bit, is seen allocated (the recording works)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.layers.linear import LinearBase, ReplicatedLinear
+    from nanovllm.layers.moe import StackedExperts
+    if model == "moe":
+        path = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                               head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=6)
+    else:
+        path = request.getfixturevalue(model)
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.device.type != "meta" and out.dtype in (torch.float32,
+                                                                                          torch.bfloat16,
+                                                                                          torch.float16):
+                made.append(tuple(out.shape))
+            return out
+
+    build = ModelRunner._build
+    monkeypatch.setattr(ModelRunner, "_build", lambda self: _recorded(build, self, Record))
+    with LLM(path, quantization=quantization, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256) as llm:
+        net = llm.executor.runner.model
+    quantized = set()  # (every projection but the MoE router: these checkpoints' configs ignore none)
+    for module in net.modules():
+        if isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
+            quantized.add(tuple(module.weight.shape))
+        elif isinstance(module, StackedExperts):
+            quantized |= {tuple(module.gate_up_proj.shape), tuple(module.down_proj.shape)}
+    assert len(quantized) >= (4 if model == "moe" else 3)
+    assert tuple(net.lm_head.weight.shape) in made
+    assert not quantized & set(made)
+
+
+def _recorded(build, runner, mode):
+    with mode():
+        return build(runner)
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -211,3 +211,39 @@ def test_engine_on_fp8_weights(arch, fmt, tmp_path):
     print(f"{arch} {fmt}: first tokens equal {sum(first)}/{len(first)}, tokens equal {agree}/{16 * len(prompts)}")
     assert sum(first) >= 2 and agree >= 10
 
+
+def test_online_fp8_loads_within_its_fp8_size(tmp_path):
+    """quantization="fp8" on a bf16 checkpoint of 3.5 GB (8 layers of Llama-3-8B's shape): the engine's start peaks
+    well under the bf16 size (the model is built without its 16-bit weights and each checkpoint tensor is quantized
+    as it loads), where building the bf16 model first would peak above it."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_models import _tokenizer
+    tok = _tokenizer()
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=len(tok), tie_word_embeddings=True,
+                         max_position_embeddings=4096, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                         pad_token_id=tok.pad_token_id, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()
+                  if name != "lm_head.weight"}
+    generator = torch.Generator("cuda").manual_seed(0)
+    tensors = {name: (torch.randn(shape, device="cuda", generator=generator) * 0.02).to(torch.bfloat16).cpu()
+               for name, shape in shapes.items()}
+    bf16_linear = sum(t.numel() * 2 for name, t in tensors.items() if name.endswith("proj.weight"))
+    assert bf16_linear > 3.4e9
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    del tensors
+    config.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with LLM(str(tmp_path), quantization="fp8", device="cuda", dtype="bfloat16", enforce_eager=True,
+             kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, max_num_batched_tokens=256) as llm:
+        peak = torch.cuda.max_memory_allocated() - before
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    print(f"online fp8 start: peak {peak / 2**30:.2f} GiB over {bf16_linear / 2**30:.2f} GiB of bf16 linear weights")
+    assert len(out[0]["token_ids"]) == 4
+    assert peak < 0.85 * bf16_linear
