@@ -71,12 +71,15 @@ def allocate_deferred(model: nn.Module):
     device = torch.get_default_device()
     if device.type == "meta":
         return
+    allocated: dict[int, nn.Parameter] = {}  # (a parameter shared by two modules stays shared)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
-                new.__dict__.update(param.__dict__)
-                module._parameters[name] = new
+                if id(param) not in allocated:
+                    new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+                    new.__dict__.update(param.__dict__)
+                    allocated[id(param)] = new
+                module._parameters[name] = allocated[id(param)]
 
 
 class LinearBase(nn.Module):
@@ -106,8 +109,8 @@ class LinearBase(nn.Module):
 
     def placements(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard_id=None) -> list[tuple[tuple | slice, torch.Tensor]]:
-        """Where this rank's part of checkpoint tensor `loaded` goes: (index into param, the part) pairs.
-        ValueError for a tensor of the wrong shape."""
+        """Where this rank's part of checkpoint tensor `loaded` goes: (index into param, the part) pairs, each index
+        ints and slices (param.data[index] is a view to copy into). ValueError for a tensor of the wrong shape."""
         full = list(param.shape)  # the unsharded shape the checkpoint holds
         sharded = self.tp_dim is not None and param.dim() > self.tp_dim
         if sharded:
@@ -121,6 +124,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         for index, part in self.placements(param, loaded, shard_id):
             param.data[index].copy_(part)
+
+
+def _check_part(shard_id, parts: str):
+    if shard_id is None:
+        raise ValueError(f"this layer packs several checkpoint tensors: load {parts} by their own names, not one "
+                         "fused tensor")
 
 
 class ReplicatedLinear(LinearBase):
@@ -151,7 +160,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None):
+        _check_part(shard_id, "its parts (gate_proj and up_proj)")
         check_weight_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
@@ -167,7 +177,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
-    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+    def placements(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None):
+        _check_part(shard_id, "q_proj, k_proj and v_proj")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         check_weight_shape(loaded, (size * self.tp_size, *param.shape[1:]))

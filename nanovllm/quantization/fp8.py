@@ -31,6 +31,15 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_loaded(part: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantization="fp8": a 16/32-bit checkpoint tensor (this rank's part), rounded to the model's dtype on `device`,
+    then quantize_rows. ValueError for an fp8 tensor (an fp8 checkpoint without its quantization_config)."""
+    if part.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"is {part.dtype}, but quantization='fp8' quantizes a 16/32-bit checkpoint: an fp8 checkpoint "
+                         "needs its quantization_config in config.json (then leave quantization unset)")
+    return quantize_rows(part.to(device, dtype))
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
     """float32 weight from fp8 `weight` [..., out, in] and `scale` ([..., out] per row when group is None, else
     [..., out, groups] of `group` columns)."""
@@ -77,7 +86,7 @@ class Fp8Linear:
     def _load_online(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """A 16/32-bit checkpoint tensor (one part of a packed layer), this rank's part quantized per row."""
         for index, part in layer.placements(param, loaded, shard_id):
-            q, scale = quantize_rows(part.to(param.device, self.dtype))
+            q, scale = quantize_loaded(part, param.device, self.dtype)
             param.data[index].copy_(q)
             self.scale[index].copy_(scale)
 
@@ -217,7 +226,7 @@ class Fp8Experts:
 
     def _load_online(self, experts: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         for index, piece in experts.placements(part, param, loaded, shard_id):
-            q, scale = quantize_rows(piece.to(param.device, self.dtype))
+            q, scale = quantize_loaded(piece, param.device, self.dtype)
             param.data[index].copy_(q)
             self.online_scales[part][index].copy_(scale)
 

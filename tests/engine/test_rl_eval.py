@@ -278,6 +278,11 @@ def test_bad_weights_change_nothing(qwen3_tied, qwen3_b):
         (good + [("model.layers.0.mlp.nope.weight", torch.zeros(2))], ValueError, "'model.layers.0.mlp.nope.weight' "
                                                                                   "matches no parameter"),
         (good + [(q, torch.zeros(64, 64 + 1))], ValueError, rf"'{q}': shape \(64, 65\) does not match"),
+        # our packed layers' names: one fused tensor, not the checkpoint's parts
+        (good + [("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(128, 64))], ValueError,
+         "load q_proj, k_proj and v_proj by their own names"),
+        (good + [("model.layers.1.mlp.gate_up_proj.weight", torch.zeros(256, 64))], ValueError,
+         r"load its parts \(gate_proj and up_proj\) by their own names"),
         (good + [("model.norm.weight", [1.0] * 64)], TypeError, "must be a \\(str, torch.Tensor\\) pair"),
         # a meta tensor holds no values: refused before the valid tensors before it are written
         ([good[0], ("model.norm.weight", torch.empty(64, device="meta"))], ValueError, "is a meta tensor"),

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from tests.quantization.checkpoints import QWEN_CONFIG, edit_config, edit_tensors, make_fp8
@@ -197,6 +198,14 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
     with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model's parameter is torch.float32: an fp8 "
                                          "checkpoint needs its quantization_config"):
         LLM(bare)
+    # quantization="fp8" quantizes 16/32-bit tensors; fp8 ones (scales or not) are refused, not read unscaled
+    unscaled = _variant(qwen_fp8, tmp_path / "unscaled", quantization_config=None)
+    edit_tensors(unscaled, drop=tuple(n for n in load_file(os.path.join(unscaled, "model.safetensors"))
+                                      if n.endswith("_scale_inv")))
+    for path in (bare, unscaled):
+        with pytest.raises(ValueError, match="is torch.float8_e4m3fn, but quantization='fp8' quantizes a 16/32-bit "
+                                             "checkpoint: an fp8 checkpoint needs its quantization_config"):
+            LLM(path, quantization="fp8")
 
 
 @pytest.mark.parametrize("fmt", ["qwen", "compressed-tensors"])
