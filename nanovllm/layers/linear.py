@@ -82,6 +82,12 @@ def allocate_deferred(model: nn.Module):
                 module._parameters[name] = allocated[id(param)]
 
 
+def copy_into(param: nn.Parameter, placements: list[tuple]):
+    """Copy each (index, part) of a layer's `placements` into param (the weight loaders' last step)."""
+    for index, part in placements:
+        param.data[index].copy_(part)
+
+
 class LinearBase(nn.Module):
     packs_on_cpu = True  # layers/cpu_weights.py packs the weight for oneDNN (float32 on CPU)
 
@@ -122,8 +128,7 @@ class LinearBase(nn.Module):
         return [(slice(None), loaded)]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
-        for index, part in self.placements(param, loaded, shard_id):
-            param.data[index].copy_(part)
+        copy_into(param, self.placements(param, loaded, shard_id))
 
 
 def _check_part(shard_id, parts: str):

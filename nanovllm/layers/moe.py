@@ -13,7 +13,7 @@ from torch import nn
 
 from nanovllm.checkpoint.loader import check_weight_shape
 from nanovllm.distributed.group import all_reduce, get_tp_group, get_tp_rank, get_tp_size
-from nanovllm.layers.linear import ReplicatedLinear, new_weight
+from nanovllm.layers.linear import ReplicatedLinear, copy_into, new_weight
 
 GATE, UP = 0, 1  # the parts of gate_up_proj, as shard ids of the per-expert checkpoint tensors
 
@@ -126,12 +126,10 @@ class StackedExperts(nn.Module):
         return [(self._expert(shard_id), self._rank_slice(loaded, 1, cols))]
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
-        for index, part in self._gate_up_placements(param, loaded, shard_id):
-            param.data[index].copy_(part)
+        copy_into(param, self._gate_up_placements(param, loaded, shard_id))
 
     def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
-        for index, part in self._down_placements(param, loaded, shard_id):
-            param.data[index].copy_(part)
+        copy_into(param, self._down_placements(param, loaded, shard_id))
 
 
 class SparseMoeBlock(nn.Module):

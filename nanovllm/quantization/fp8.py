@@ -31,13 +31,17 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_loaded(part: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantization="fp8": a 16/32-bit checkpoint tensor (this rank's part), rounded to the model's dtype on `device`,
-    then quantize_rows. ValueError for an fp8 tensor (an fp8 checkpoint without its quantization_config)."""
-    if part.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError(f"is {part.dtype}, but quantization='fp8' quantizes a 16/32-bit checkpoint: an fp8 checkpoint "
-                         "needs its quantization_config in config.json (then leave quantization unset)")
-    return quantize_rows(part.to(device, dtype))
+def quantize_into(weight: nn.Parameter, scale: torch.Tensor, placements: list[tuple], dtype: torch.dtype):
+    """quantization="fp8": each (index, part) of a layer's `placements` of a 16/32-bit checkpoint tensor, rounded to
+    the model's dtype on the weight's device, quantized per row into weight[index] and scale[index]. ValueError for
+    an fp8 tensor (an fp8 checkpoint without its quantization_config)."""
+    for index, part in placements:
+        if part.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"is {part.dtype}, but quantization='fp8' quantizes a 16/32-bit checkpoint: an fp8 "
+                             "checkpoint needs its quantization_config in config.json (then leave quantization unset)")
+        q, row_scales = quantize_rows(part.to(weight.device, dtype))
+        weight.data[index].copy_(q)
+        scale[index].copy_(row_scales)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -67,8 +71,8 @@ class Fp8Linear:
         if self.config.online:
             self.dtype = torch.get_default_dtype()  # (the 16-bit layer's dtype: weights are rounded to it first)
             self.scale = torch.ones(out, dtype=torch.float32)  # (not a checkpoint tensor; dummy weights leave ones)
-            layer.weight.weight_loader = (lambda param, loaded, shard_id=None:
-                                          self._load_online(layer, param, loaded, shard_id))
+            layer.weight.weight_loader = (lambda param, loaded, shard_id=None: quantize_into(
+                param, self.scale, layer.placements(param, loaded, shard_id), self.dtype))
             return
         layer.weight.weight_loader = layer.weight_loader
         if self.group is None:
@@ -82,13 +86,6 @@ class Fp8Linear:
         scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         scale.weight_loader = lambda param, loaded, shard_id=None: self._load_scale(layer, param, loaded, shard_id)
         setattr(layer, self.scale_name, scale)
-
-    def _load_online(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
-        """A 16/32-bit checkpoint tensor (one part of a packed layer), this rank's part quantized per row."""
-        for index, part in layer.placements(param, loaded, shard_id):
-            q, scale = quantize_loaded(part, param.device, self.dtype)
-            param.data[index].copy_(q)
-            self.scale[index].copy_(scale)
 
     def _load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """A checkpoint's scales for this layer (or one part of a packed one) as the layer keeps them: block rows
@@ -188,8 +185,8 @@ class Fp8Experts:
             for part in self.PARTS:
                 old = getattr(experts, part)
                 weight = nn.Parameter(torch.empty(old.shape, dtype=FP8), requires_grad=False)
-                weight.weight_loader = (lambda param, loaded, shard_id=None, part=part:
-                                        self._load_online(experts, part, param, loaded, shard_id))
+                weight.weight_loader = (lambda param, loaded, shard_id=None, part=part: quantize_into(
+                    param, self.online_scales[part], experts.placements(part, param, loaded, shard_id), self.dtype))
                 weight.shard_ids = old.shard_ids
                 setattr(experts, part, weight)
                 self.online_scales[part] = torch.ones(old.shape[:-1], dtype=torch.float32)
@@ -223,12 +220,6 @@ class Fp8Experts:
         groups = None if self.group is None else -(-cols // self.group)
         loaded = scales_per_row(loaded, rows, groups, self.block_rows, self.group)
         getattr(experts, part).weight_loader(param, loaded, shard_id)
-
-    def _load_online(self, experts: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id):
-        for index, piece in experts.placements(part, param, loaded, shard_id):
-            q, scale = quantize_loaded(piece, param.device, self.dtype)
-            param.data[index].copy_(q)
-            self.online_scales[part][index].copy_(scale)
 
     def finish(self, experts: nn.Module) -> "Fp8Experts | None":
         """After loading: the method the experts keep (None on CPU, where they are dequantized to float32)."""
