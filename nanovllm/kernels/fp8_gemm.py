@@ -151,9 +151,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w
     """y [M, N] = x [M, K] @ (W [N, K] fp8 * scales)^T: program (n, m) streams W's rows [n * BLOCK_N, +BLOCK_N)
     against x's rows [m * BLOCK_M, +BLOCK_M) (decode: one row tile, W read once). fp8 values are exact in x's
     type, so each step's product is exact up to the accumulation; the scales multiply the float32 sums: per group
-    of GROUP columns (BLOCKED, BLOCK_K = GROUP) or per row at the end."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first_m = tl.program_id(1) * BLOCK_M
+    of GROUP columns (BLOCKED, BLOCK_K = GROUP) or per row at the end. A one-dimensional grid, n fastest: the
+    second grid dimension would cap row tiles at 65,535."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rn = tl.program_id(0) % tiles_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_m = tl.program_id(0) // tiles_n * BLOCK_M
     x_ptr += first_m.to(tl.int64) * stride_x  # (64-bit: weight-only layers take any number of rows)
     y_ptr += first_m.to(tl.int64) * stride_y
     rm = tl.arange(0, BLOCK_M)
@@ -192,7 +194,7 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int
     small = m <= SMALL_ROWS
     block_n = (32 if n >= 2048 else 16) if small else 64
     block_m = 16 if small else 64
-    _w8a16_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    _w8a16_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
         x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         scale.stride(0), y.stride(0), GROUP=group if blocked else k, BLOCKED=blocked, HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -117,6 +117,23 @@ def test_triton_products_past_two_to_the_31_elements(kernel):
     assert not y[:-tail].any()
 
 
+def test_w8a16_past_65535_row_tiles():
+    """More than 65,535 tiles of 64 rows (a weight-only layer's prefill of 4.2M tokens) run in one launch: a
+    second grid dimension of row tiles would refuse it. Every row is zero but the last 256."""
+    from nanovllm.kernels.fp8_gemm import w8a16
+    from nanovllm.quantization.fp8 import dequantize, quantize_rows
+    torch.manual_seed(0)
+    n, k, tail = 48, 128, 256
+    m = 65536 * 64 + 200
+    wq, ws = quantize_rows(torch.randn(n, k, device="cuda"))
+    a = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    a[-tail:] = torch.randn(tail, k, device="cuda").to(torch.bfloat16)
+    y = w8a16(a, wq, ws, None, None)
+    torch.testing.assert_close(y[-tail:].float(), a[-tail:].float() @ dequantize(wq, ws, None).t(), atol=3e-2,
+                               rtol=2e-2)
+    assert not y[:-tail].any()
+
+
 def test_block_scales_for_cublaslt_only_where_it_reads_them_right():
     """Fp8Linear hands cuBLASLt its 128 x 128 scales only for K a multiple of 512 (cuBLASLt pads each row of them
     to 4 blocks) and for weights whose every 128 rows share their scales (a packed layer's parts aligned)."""
