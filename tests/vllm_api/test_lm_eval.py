@@ -60,10 +60,18 @@ def _evaluate(model: str, model_args: str, tasks: str) -> dict:
     return out
 
 
-def test_scores_equal_the_transformers_backend(bundled, tasks):
+@pytest.fixture(scope="module")
+def hf_scores(bundled, tasks) -> dict:
+    """lm-eval's transformers backend on the bundled model in float32: the reference both tests compare with (run
+    once: it is the slowest evaluation here)."""
+    folder, name = os.path.split(bundled)
+    return _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu", tasks)
+
+
+def test_scores_equal_the_transformers_backend(bundled, tasks, hf_scores):
     folder, name = os.path.split(bundled)
     ours = _evaluate("nanovllm", f"pretrained={folder},gguf_file={name},max_model_len=2048", tasks)
-    reference = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu", tasks)
+    reference = hf_scores
     for task, metrics in reference["results"].items():
         for metric, value in metrics.items():
             if not isinstance(value, float) or "stderr" in metric:
@@ -83,7 +91,7 @@ def test_scores_equal_the_transformers_backend(bundled, tasks):
     assert responses == [s["filtered_resps"] for s in reference["samples"]["nano_sums"]]
 
 
-def test_a_lora_adapter_scores_as_the_transformers_backend_with_peft(bundled, tasks, tmp_path):
+def test_a_lora_adapter_scores_as_the_transformers_backend_with_peft(bundled, tasks, hf_scores, tmp_path):
     """lora_local_path (lm-eval's vLLM backend's name) against the transformers backend's peft=: the same adapter
     of the bundled model, the same scores."""
     from nanovllm.checkpoint.loader import resolve_checkpoint
@@ -95,8 +103,7 @@ def test_a_lora_adapter_scores_as_the_transformers_backend_with_peft(bundled, ta
                                  f"lora_local_path={adapter}", tasks)
     reference = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu,peft={adapter}",
                           tasks)
-    base = _evaluate("hf", f"pretrained={folder},gguf_file={name},dtype=float32,device=cpu", tasks)
-    assert reference["results"]["nano_text"] != base["results"]["nano_text"]  # the adapter matters
+    assert reference["results"]["nano_text"] != hf_scores["results"]["nano_text"]  # the adapter matters
     for task, metrics in reference["results"].items():  # (float32 sums in another order: perplexity to 5e-5)
         for metric, value in metrics.items():
             if isinstance(value, float) and "stderr" not in metric:
