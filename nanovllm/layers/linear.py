@@ -83,8 +83,15 @@ def allocate_deferred(model: nn.Module):
 
 
 def copy_into(param: nn.Parameter, placements: list[tuple]):
-    """Copy each (index, part) of a layer's `placements` into param (the weight loaders' last step)."""
+    """Copy each (index, part) of a layer's `placements` into param (the weight loaders' last step). ValueError for
+    a tensor that is not fp8 e4m3 into an fp8 weight: copy_ would convert it silently (e5m2 saturating, 16-bit values
+    rounded and then multiplied by a scale meant for fp8 ones)."""
     for index, part in placements:
+        if param.dtype == torch.float8_e4m3fn and part.dtype != param.dtype:
+            kind = ("only e4m3 fp8 checkpoints are supported" if part.dtype.is_floating_point and part.itemsize == 1
+                    else "the checkpoint's quantization_config quantizes this layer: store it as fp8 e4m3 with its "
+                    "scale, or name the layer in the config's ignore list (modules_to_not_convert in Qwen's format)")
+            raise ValueError(f"is {part.dtype} but this layer's weight is float8_e4m3fn: {kind}")
         param.data[index].copy_(part)
 
 

@@ -194,6 +194,16 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
     edit_tensors(misshapen, replace={scale: torch.ones(3, 4)})
     with pytest.raises(ValueError, match=rf"{scale}.*scale shape \(3, 4\) does not match the expected \(2, 4\)"):
         LLM(misshapen)
+    # a weight the config quantizes, stored in another dtype (its scale present): copy_ would convert it silently
+    weight = "model.layers.1.mlp.down_proj.weight"
+    stored = load_file(os.path.join(qwen_fp8, "model.safetensors"))[weight]
+    for dtype, why in ((torch.float8_e5m2, "only e4m3 fp8 checkpoints are supported"),
+                       (torch.bfloat16, "the checkpoint's quantization_config quantizes this layer")):
+        other = _variant(qwen_fp8, tmp_path / str(dtype))
+        edit_tensors(other, replace={weight: stored.float().to(dtype)})
+        with pytest.raises(ValueError, match=rf"'{weight}': is {dtype} but this layer's weight is float8_e4m3fn: "
+                                             rf"{why}"):
+            LLM(other)
     bare = _variant(qwen_fp8, tmp_path / "bare", quantization_config=None)
     with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model's parameter is torch.float32: an fp8 "
                                          "checkpoint needs its quantization_config"):
@@ -232,7 +242,12 @@ def test_moe_checkpoints_in_fp8(tmp_path, fmt):
     edit_tensors(fp8, drop=(f"model.layers.1.mlp.experts.2.up_proj.{scale}",))
     with pytest.raises(ValueError, match=f"lacks weights for: model.layers.1.mlp.experts.2.up_proj.{scale}"):
         LLM(fp8)
-    edit_tensors(fp8, replace={f"model.layers.0.mlp.experts.1.down_proj.{scale}": torch.ones(3, 5)})
+    down = "model.layers.0.mlp.experts.1.down_proj"
+    weight = load_file(os.path.join(fp8, "model.safetensors"))[f"{down}.weight"]
+    edit_tensors(fp8, replace={f"{down}.weight": weight.to(torch.bfloat16)})  # (refused, not rounded into fp8)
+    with pytest.raises(ValueError, match=f"'{down}.weight': is torch.bfloat16 but this layer's weight is float8"):
+        LLM(fp8)
+    edit_tensors(fp8, replace={f"{down}.weight": weight, f"{down}.{scale}": torch.ones(3, 5)})
     with pytest.raises(ValueError, match=f"experts.1.down_proj.{scale}'.*scale shape \\(3, 5\\) does not match"):
         LLM(fp8)
 
