@@ -151,7 +151,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w
     """y [M, N] = x [M, K] @ (W [N, K] fp8 * scales)^T: program (n, m) streams W's rows [n * BLOCK_N, +BLOCK_N)
     against x's rows [m * BLOCK_M, +BLOCK_M) (decode: one row tile, W read once). fp8 values are exact in x's
     type, so each step's product is exact up to the accumulation; the scales multiply the float32 sums: per group
-    of GROUP columns (BLOCKED, BLOCK_K = GROUP) or per row at the end. A one-dimensional grid, n fastest: the
+    of GROUP columns (BLOCKED, BLOCK_K divides GROUP) or per row at the end. A one-dimensional grid, n fastest: the
     second grid dimension would cap row tiles at 65,535."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     rn = tl.program_id(0) % tiles_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,7 +198,7 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int
         x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         scale.stride(0), y.stride(0), GROUP=group if blocked else k, BLOCKED=blocked, HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=group if blocked else (256 if small else 128),
+        BLOCK_K=min(group, 128) if blocked else (256 if small else 128),  # (a whole wide group overflows shared memory)
         num_warps=4, num_stages=4 if small else 3)
     return y
 

@@ -279,16 +279,17 @@ def _fp8_weight(n: int, k: int, group: int | None):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("group", [None, 128, 512])
 @pytest.mark.parametrize("rows", [3, 70])
 def test_w8a16_fp8_kernel(group, rows):
-    """w8a16: 16-bit rows against the fp8 weight, scaled per channel or per 128-column group (plus a bias); one row
-    tile (small-batch decode) and several (weight-only checkpoints)."""
+    """w8a16: 16-bit rows against the fp8 weight, scaled per channel or per 128- or 512-column group (a group wider
+    than a step: each step takes its group's scale) plus a bias; one row tile (small-batch decode) and several
+    (weight-only checkpoints)."""
     from nanovllm.kernels.fp8_gemm import w8a16
     from nanovllm.quantization.fp8 import dequantize
     torch.manual_seed(0)
-    x = torch.randn(rows, 256).to(torch.float16)
-    wq, ws = _fp8_weight(80, 256, group)
+    x = torch.randn(rows, 1024).to(torch.float16)
+    wq, ws = _fp8_weight(80, 1024, group)
     bias = torch.randn(80).to(torch.float16)
     y = w8a16(x, wq, ws, group, bias)
     expected = x.float() @ dequantize(wq, ws, group).t() + bias.float()

@@ -23,7 +23,7 @@ def _reference(q, sq, w, sw, group):
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 100, 1000])
-@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("group", [None, 128, 1024])
 def test_fp8_linear_against_float32(m, group):
     from nanovllm.kernels.fp8_gemm import fp8_linear, quantize_activations
     from nanovllm.quantization.fp8 import quantize_rows
@@ -33,7 +33,7 @@ def test_fp8_linear_against_float32(m, group):
     w = torch.randn(n, k, device="cuda") * 0.05
     if group is None:
         wq, ws = quantize_rows(w)
-    else:  # per output row and 128-column group (block scales as the layers keep them)
+    else:  # per output row and group (block scales as the layers keep them; 1,024 columns: wider than a step)
         blocks = w.view(n, k // group, group)
         ws = blocks.abs().amax(-1) / 448.0
         wq = (blocks / ws[..., None]).to(torch.float8_e4m3fn).view(n, k)
@@ -50,6 +50,10 @@ def test_fp8_linear_against_float32(m, group):
     else:
         expected = _reference(q, s, wq, ws, group) + bias.float()
     torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
+    if group:  # weight-only checkpoints: x left 16-bit at any batch
+        y = fp8_linear(x, wq, ws, group, bias, activations=False)
+        torch.testing.assert_close(y.float(), _reference(x, torch.ones(m, 1, device="cuda"), wq, ws, group)
+                                   + bias.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_activation_quantizer_on_rows_longer_than_a_tile():
