@@ -250,13 +250,27 @@ def quantize_model(model: nn.Module, config: QuantConfig):
     names = checkpoint_names(model)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
-            if all(config.quantizes(n) for n in names.get(name, [name])):
+            if _quantizes_all(config, name, names.get(name, [name])):
                 module.quant = Fp8Linear(config)
                 module.quant.create_weights(module, name)
-        elif isinstance(module, StackedExperts) and config.quantizes(f"{name}.0.gate_proj"):
+        elif isinstance(module, StackedExperts) and _quantizes_all(
+                config, name, [f"{name}.{e}.{p}" for e in range(module.num_experts)
+                               for p in ("gate_proj", "up_proj", "down_proj")]):
             module.quant = Fp8Experts(config)
             module.quant.create_weights(module, name)
     allocate_deferred(model)  # the weights left 16-bit (a model built under deferred_weights)
+
+
+def _quantizes_all(config: QuantConfig, name: str, sources: list[str]) -> bool:
+    """Whether the config quantizes the checkpoint modules packed into our layer `name`: all, or none. ValueError
+    when its ignore list names only some (one layer holds one dtype)."""
+    quantized = [config.quantizes(source) for source in sources]
+    if all(quantized) or not any(quantized):
+        return quantized[0]
+    ignored = [source for source, q in zip(sources, quantized) if not q]
+    raise ValueError(f"the quantization_config's ignore list leaves {', '.join(ignored[:4])} unquantized but not the "
+                     f"rest of {name}, which nanovllm holds as one layer ({len(sources)} checkpoint modules): ignore "
+                     "all of them or none")
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:

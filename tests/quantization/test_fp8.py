@@ -360,6 +360,25 @@ def test_modules_the_config_leaves_unquantized(base, tmp_path, fmt, ignore):
         assert out["token_ids"] == hf_greedy(reference, prompt, 16)
 
 
+def test_an_ignore_list_that_splits_a_packed_layer_is_refused(qwen_fp8, tmp_path):
+    """q_proj ignored but not k/v_proj (one qkv layer here), or one expert's down_proj but not the rest: refused,
+    naming what the list leaves out, instead of an error about another tensor's dtype."""
+    config = json.load(open(os.path.join(qwen_fp8, "config.json")))["quantization_config"]
+    split = _variant(qwen_fp8, tmp_path / "qkv", quantization_config={
+        **config, "modules_to_not_convert": ["model.layers.1.self_attn.q_proj"]})
+    with pytest.raises(ValueError, match=r"ignore list leaves model.layers.1.self_attn.q_proj unquantized but not the "
+                                         r"rest of model.layers.1.self_attn.qkv_proj, .* ignore all of them or none"):
+        LLM(split)
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                          head_dim=64, moe_intermediate_size=128, decoder_sparse_step=1, seed=5)
+    fp8, _ = make_fp8(moe, tmp_path / "fp8", "qwen", tmp_path / "reference")
+    ignore = ["model.layers.0.mlp.experts.2.down_proj"]
+    edit_config(fp8, quantization_config={**config, "modules_to_not_convert": ignore})
+    with pytest.raises(ValueError, match=r"leaves model.layers.0.mlp.experts.2.down_proj unquantized but not the rest "
+                                         r"of model.layers.0.mlp.experts, .*\(12 checkpoint modules\)"):
+        LLM(fp8)
+
+
 def test_weight_updates_are_refused_on_fp8_weights(qwen_fp8):
     with LLM(qwen_fp8, kvcache_block_size=16) as llm:
         before = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
