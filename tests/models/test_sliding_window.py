@@ -12,7 +12,7 @@ from tests.tiny_models import hf_greedy, make_checkpoint
 
 WINDOW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-GEMMA = dict(tie=True, hidden=64, head_dim=32, num_heads=4, num_kv_heads=2, query_pre_attn_scalar=24,
+GEMMA = dict(tie=False, hidden=64, head_dim=32, num_heads=4, num_kv_heads=2, query_pre_attn_scalar=24,
              sliding_window=WINDOW)
 MODELS = {
     # layers 0-2 local (rope base 10,000), layer 3 global (1,000,000, linear scaling x4)
@@ -40,6 +40,20 @@ def check(llm: LLM, path: str, batch: list[list[int]]):
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     for prompt, out in zip(batch, outs):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), len(prompt)
+
+
+def test_the_window_changes_these_models_tokens(model, tmp_path):
+    """The checks here can fail: transformers' tokens for the next test's 40-token prompt differ with the window and
+    without, and vary (a checkpoint that only repeats one token would pass any window bug)."""
+    import json
+    import shutil
+    unwindowed = shutil.copytree(model, tmp_path / "unwindowed")
+    config = json.load(open(unwindowed / "config.json"))
+    json.dump({**config, "sliding_window": 100000}, open(unwindowed / "config.json", "w"))
+    prompt = prompts(1, [3, 40, 97])[1]
+    windowed = hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert windowed != hf_greedy(str(unwindowed), prompt, GREEDY.max_tokens)
+    assert len(set(windowed)) > 4
 
 
 def test_windowed_models_match_transformers(model):
