@@ -58,13 +58,25 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         if not os.path.isfile(os.path.join(path, name)):
             raise ValueError(f"{where}: no {name}; a PEFT LoRA adapter directory holds {CONFIG} and {WEIGHTS} "
                              "(PeftModel.save_pretrained writes them)")
-    with open(os.path.join(path, CONFIG)) as f:
-        config = json.load(f)
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: {CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
     _check_config(config, where)
-    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
-    from safetensors import safe_open
-    with safe_open(os.path.join(path, WEIGHTS), "pt") as f:
-        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora", False)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"{where}: lora_alpha must be a positive number, got {alpha!r} in {CONFIG}")
+    if not isinstance(rslora, bool):
+        raise ValueError(f"{where}: use_rslora must be true or false, got {rslora!r} in {CONFIG}")
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(os.path.join(path, WEIGHTS), "pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{where}: {WEIGHTS} cannot be read ({e}); save the adapter again") from None
     found: dict[tuple[int, str], dict[str, tuple]] = {}
     for key, shape in shapes.items():
         match = _KEY.fullmatch(key)
@@ -102,6 +114,9 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
 
 
 def _check_config(config: dict, where: str):
+    if any("experts" in str(target) for target in config.get("target_parameters") or ()):
+        raise ValueError(f"{where}: target_parameters {config['target_parameters']!r}: LoRA on MoE experts is not "
+                         "supported (attention targets are)")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r}; only LoRA adapters are supported")
     refused = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained modules)",

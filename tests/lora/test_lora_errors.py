@@ -63,7 +63,21 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copy(os.path.join(lora_attention.lora_path, "adapter_config.json"), no_weights)
+    broken = {}  # damaged files: each refused as a ValueError naming the adapter, not a parser's own error
+    for name, file, text in [("bad_json", "adapter_config.json", b"{r: 4"), ("list", "adapter_config.json", b"[4]"),
+                             ("cut", "adapter_model.safetensors", b"\x10\x00")]:
+        broken[name] = adapter_copy(lora_attention, tmp_path / name, 40 + len(broken))
+        with open(os.path.join(broken[name].lora_path, file), "wb") as f:
+            f.write(text)
     cases = [
+        (broken["bad_json"], r"'copy40' \(.*\): adapter_config.json is not valid JSON"),
+        (broken["list"], "adapter_config.json must hold a JSON object, got list"),
+        (broken["cut"], "adapter_model.safetensors cannot be read"),
+        (adapter_copy(lora_attention, tmp_path / "alpha", 43, lora_alpha=-4), "lora_alpha must be a positive number"),
+        (adapter_copy(lora_attention, tmp_path / "alpha2", 44, lora_alpha="sixteen"), "lora_alpha must be a positive"),
+        (adapter_copy(lora_attention, tmp_path / "rs", 45, use_rslora="yes"), "use_rslora must be true or false"),
+        (adapter_copy(lora_attention, tmp_path / "experts", 46, target_parameters=["mlp.experts.gate_up_proj"],
+                      alpha_pattern={"gate_up_proj": 32}), "LoRA on MoE experts is not supported"),
         (LoRARequest("missing", 30, os.fspath(tmp_path / "nowhere")), "no adapter_config.json"),
         (LoRARequest("empty", 31, os.fspath(empty)), "no adapter_config.json"),
         (LoRARequest("no_weights", 32, os.fspath(no_weights)), "no adapter_model.safetensors"),
