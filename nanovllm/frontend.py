@@ -87,7 +87,7 @@ class Frontend:
         if tools is not None:
             options["tools"] = tools
         options.update(chat_template_kwargs or {})
-        prompts = [self._render_chat(c, options) for c in _conversations(messages)]
+        prompts = [self._render_chat(c, options) for c in _conversations(messages, chat_template_content_format)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _render_chat(self, conversation: Conversation, options: dict) -> dict:
@@ -104,6 +104,10 @@ class Frontend:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except TemplateError as e:  # a template's raise_exception (roles that must alternate...): it says the fix
             raise ValueError(f"the chat template refused the conversation: {e}") from e
+        except TypeError as e:  # (a template that adds strings, given content as parts)
+            raise ValueError(f"the chat template could not render the conversation ({e}); with "
+                             "chat_template_content_format='openai' it gets each content as a list of parts: use "
+                             "'string' for a template that expects text") from e
         # The template already wrote any BOS it wants; encoding must not add another.
         return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
 
@@ -115,8 +119,10 @@ class Frontend:
         return beam_search(self, prompts, params, lora_request)
 
 
-def _conversations(messages) -> list[Conversation]:
-    """One conversation or a list of them, validated, as a list of conversations (text parts joined)."""
+def _conversations(messages, content_format: str = "auto") -> list[Conversation]:
+    """One conversation or a list of them, validated, as a list of conversations: a message's text parts joined by
+    newlines (vLLM's "string" content format, which "auto" is for text-only templates), or kept as a list of parts
+    for the template ("openai")."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts, "
                          f"or a list of such lists; got {messages!r:.80}")
@@ -126,11 +132,12 @@ def _conversations(messages) -> list[Conversation]:
         if not isinstance(conversation, (list, tuple)) or not conversation:
             raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, "
                              f"got {conversation!r:.80}")
-        out.append([_message(m, f"message {j} of conversation {i}") for j, m in enumerate(conversation)])
+        out.append([_message(m, f"message {j} of conversation {i}", content_format)
+                    for j, m in enumerate(conversation)])
     return out
 
 
-def _message(message, where: str) -> Message:
+def _message(message, where: str, content_format: str) -> Message:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"{where} must be a dict with a str 'role' and a 'content', e.g. "
                          f"{{'role': 'user', 'content': 'Hi'}}; got {message!r:.80}")
@@ -140,7 +147,8 @@ def _message(message, where: str) -> Message:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}: a content part must be {{'type': 'text', 'text': str}} (nanovllm serves "
                                  f"text-only models); got {part!r:.80}")
-        message = {**message, "content": "".join(part["text"] for part in content)}
+        if content_format != "openai":
+            message = {**message, "content": "\n".join(part["text"] for part in content)}
     elif not isinstance(content, str) and not (content is None and message.get("tool_calls")):
         raise ValueError(f"{where} must have a str 'content' (or a list of text parts); got {message!r:.80}")
     return message

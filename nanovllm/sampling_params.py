@@ -42,7 +42,8 @@ class SamplingParams:
     tokenizer's decode), include_stop_str_in_output (the text keeps the stop string that ended it), logit_bias
     ({token id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to
     generate, as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens); logits_processors,
-    output_kind and extra_args are accepted at their defaults. max_tokens defaults to 16, as in vLLM.
+    output_kind and extra_args are accepted at their defaults. max_tokens defaults to 16, as in vLLM; None runs
+    up to max_model_len.
     """
 
     temperature: float = 1.0
@@ -50,7 +51,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -90,7 +91,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be finite, got {value}")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
-            if not _is_int(getattr(self, name)):
+            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("ignore_eos", "skip_special_tokens", "detokenize", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
@@ -106,9 +107,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None: up to max_model_len), got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")

@@ -32,15 +32,29 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
+@functools.lru_cache
+def spm_tokenizer():
+    """A Llama-2 / Mistral style tokenizer (SentencePiece's Metaspace: a word's leading space is part of its token,
+    and dropped when a decode starts with it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>", "<pad>"], show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
 def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: int = 2, num_heads: int = 4,
                     head_dim: int | None = None, hidden: int = 64, layers: int = 2, seed: int = 0,
-                    chat_template: str | None = None, **extra) -> str:
-    """Save a tiny random model plus tokenizer into `path`; returns the path as str.
-    arch: qwen3, qwen2, llama, mistral, qwen3_moe, mixtral, gemma2 or gemma3 (Gemma3ForCausalLM); extra: more
-    config fields (rope_scaling, sliding_window, num_experts, ...)."""
+                    chat_template: str | None = None, tokenizer=None, **extra) -> str:
+    """Save a tiny random model plus tokenizer (the byte-level BPE `_tokenizer()` unless given) into `path`; returns
+    the path as str. arch: qwen3, qwen2, llama, mistral, qwen3_moe, mixtral, gemma2 or gemma3 (Gemma3ForCausalLM);
+    extra: more config fields (rope_scaling, sliding_window, num_experts, ...)."""
     import transformers
     from transformers import AutoModelForCausalLM
-    tok = _tokenizer()
+    tok = tokenizer or _tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
                   tie_word_embeddings=tie, initializer_range=0.25, eos_token_id=tok.eos_token_id,

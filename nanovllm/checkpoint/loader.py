@@ -86,14 +86,45 @@ def load_generation_config(model: str) -> dict:
 
 
 def load_eos_token_ids(model: str, hf_config) -> list[int]:
-    """Every EOS id named by generation_config.json or config.json (either may hold a list)."""
+    """Every EOS id: the tokenizer's eos_token (vLLM's primary EOS), then those generation_config.json or
+    config.json name (either may hold a list)."""
     ids: list[int] = []
-    sources = [load_generation_config(model).get("eos_token_id"), getattr(hf_config, "eos_token_id", None)]
+    sources = [tokenizer_eos_id(model), load_generation_config(model).get("eos_token_id"),
+               getattr(hf_config, "eos_token_id", None)]
     for value in sources:
         for i in value if isinstance(value, list) else [value]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def tokenizer_eos_id(model: str) -> int | None:
+    """The id of tokenizer_config.json's eos_token, read from the tokenizer files (the engine starts before the
+    tokenizer is loaded); None where they name none or cannot be read (the tokenizer's load reports that)."""
+    path = resolve_checkpoint(model)
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if not isinstance(eos, str):
+            return None
+        for i, token in (config.get("added_tokens_decoder") or {}).items():
+            if token.get("content") == eos:
+                return int(i)
+        with open(os.path.join(path, "tokenizer.json")) as f:
+            tokenizer = json.load(f)
+        for token in tokenizer.get("added_tokens") or ():
+            if token.get("content") == eos:
+                return int(token["id"])
+        vocab = (tokenizer.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict):
+            return vocab.get(eos)
+        if isinstance(vocab, list):  # (Unigram: [piece, score] pairs, the id their index)
+            return next((i for i, entry in enumerate(vocab) if entry and entry[0] == eos), None)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
+    return None
 
 
 def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:

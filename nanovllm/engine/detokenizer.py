@@ -1,42 +1,64 @@
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the completion (vLLM's initial detokenization offset)
+
+
 class IncrementalDetokenizer:
     """Text of a growing list of token ids, one delta at a time.
 
     Decodes only a short window (prefix_offset..end) per call. A delta is released only when it does
-    not end in U+FFFD, so a multi-byte character split over several tokens comes out whole."""
+    not end in U+FFFD, so a multi-byte character split over several tokens comes out whole. `context`: the prompt's
+    last tokens, decoded ahead of the completion and never part of its text, so that the first token's text is what
+    it is after the prompt (SentencePiece tokenizers drop a word's leading space at the start of a decode)."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 context: list[int] = ()):
         self.tokenizer = tokenizer
         self.options = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:  # (only where set: tokenizers that lack it may refuse the keyword)
             self.options["spaces_between_special_tokens"] = False
-        self.token_ids: list[int] = []
+        self.ids = list(context)  # the context, then the completion
+        self.token_ids: list[int] = []  # the completion's tokens
         self.prefix_offset = 0  # window start: tokens before it are already text
-        self.read_offset = 0  # tokens before it are in self.text
+        self.read_offset = len(self.ids)  # tokens before it are in self.text (or the context)
         self.text = ""
+        self.searched = 0  # characters of text before which no stop string can newly end (_update_text)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.options) if ids else ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (may be empty)."""
+        self.ids.append(token_id)
         self.token_ids.append(token_id)
-        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.text += delta
             return delta
         return ""
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def decode_after(tokenizer, context: list[int], ids: list[int], **options) -> str:
+    """The text of `ids` as it reads after `context` (the prompt's last tokens): IncrementalDetokenizer's text in one
+    go, for outputs that were not detokenized while generating."""
+    if not ids:
+        return ""
+    if context:
+        before = tokenizer.decode(context, **options)
+        full = tokenizer.decode(list(context) + list(ids), **options)
+        if full.startswith(before):  # (else the context ends inside a character: decode the ids alone)
+            return full[len(before):]
+    return tokenizer.decode(ids, **options)
 
 
 def _longest(stops: list[str]) -> int:
@@ -44,11 +66,19 @@ def _longest(stops: list[str]) -> int:
 
 
 def find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """(where the first stop string starts in `text`, that string), looking only where one could have been completed
-    by the last `delta_len` characters; None if none is there."""
-    window_start = max(0, len(text) - delta_len - _longest(stops) + 1)
-    hits = [(i, stop) for stop in stops if (i := text.find(stop, window_start)) >= 0]
-    return min(hits) if hits else None
+    """(where the stop string that ends first in `text` starts, that string; of two ending together, the first in
+    `stops`, as vLLM picks), looking only at stop strings that end in the last `delta_len` characters; None if none
+    does."""
+    new_from = len(text) - delta_len
+    hits = []
+    for order, stop in enumerate(stops):
+        i = text.find(stop, max(0, new_from - len(stop) + 1))
+        if i >= 0:
+            hits.append((i + len(stop), order, i, stop))
+    if not hits:
+        return None
+    _, _, at, stop = min(hits)
+    return at, stop
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:

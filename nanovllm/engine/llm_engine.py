@@ -15,7 +15,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.executor import Executor, UniprocExecutor
 from nanovllm.engine.batch import ScheduledBatch, StepOutput
 from nanovllm.engine.call_guard import CallGuard
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_after, find_stop, stop_holdback
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
@@ -28,8 +28,9 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger("nanovllm")
 
 
-# generation_config.json fields that become the default SamplingParams, as vLLM does
-_GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# generation_config.json fields that become the default SamplingParams (theirs -> ours), as vLLM does
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _nothing_to_schedule() -> RuntimeError:
@@ -54,7 +55,8 @@ def default_sampling_params(model: str) -> SamplingParams:
     refuses raises ValueError naming the file."""
     gen = load_generation_config(model)
     try:
-        return SamplingParams(**{k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None})
+        return SamplingParams(**{ours: gen[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+                                 if gen.get(theirs) is not None})
     except (TypeError, ValueError) as e:
         raise ValueError(f"the checkpoint's generation_config.json sets a default nanovllm cannot use: {e}; fix "
                          "the file, or remove the field") from None
@@ -513,10 +515,14 @@ class LLMEngine:
             if seq.is_finished:
                 delta += detok.flush()
         stops = seq.sampling_params.stop_strings
-        # the detokenizer holds exactly the settled completion tokens (async scheduling may have appended more)
-        if not stops or not delta or len(detok.token_ids) < seq.sampling_params.min_tokens:
+        # the detokenizer holds exactly the settled completion tokens (async scheduling may have appended more);
+        # as in vLLM, a stop string counts only where it ends in text of the tokens past the min_tokens-th
+        if len(detok.token_ids) <= seq.sampling_params.min_tokens:
+            detok.searched = len(detok.text)
+        if not stops or len(detok.text) == detok.searched:
             return
-        hit = find_stop(detok.text, len(delta), stops)
+        hit = find_stop(detok.text, len(detok.text) - detok.searched, stops)
+        detok.searched = len(detok.text)
         if hit is not None:
             at, stop = hit
             # the returned text ends before the stop string (vLLM's include_stop_str_in_output: after it)
@@ -535,8 +541,8 @@ class LLMEngine:
         if self.tokenizer is None or not sp.detokenize:
             return ""
         ids = seq.completion_token_ids
-        return self.tokenizer.decode(ids[:-1] if _stopped_by_token(seq) else ids,
-                                     skip_special_tokens=sp.skip_special_tokens, **_spaces(sp))
+        return decode_after(self.tokenizer, seq.text_context, ids[:-1] if _stopped_by_token(seq) else ids,
+                            skip_special_tokens=sp.skip_special_tokens, **_spaces(sp))
 
     def _logprobs(self, entries: list[dict | None], k: int, detokenize: bool) -> list[dict[int, Logprob] | None]:
         """Logprob dicts of vLLM's shape from the sampler's {token: logprob} dicts: the k most likely, in order (rank
@@ -590,7 +596,7 @@ class LLMEngine:
             if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
                 for seq in samples:
                     seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
-                                                           sp.spaces_between_special_tokens)
+                                                             sp.spaces_between_special_tokens, seq.text_context)
         return requests
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[list[Sequence]]:

@@ -118,6 +118,11 @@ class RequestChecker:
         serve."""
         sp = self.check_params(sampling_params)
         token_ids = self.tokenize(prompt, sp.truncate_prompt_tokens)
+        if sp.max_tokens is None:  # (vLLM's: as many as max_model_len leaves)
+            sp.max_tokens = self.max_model_len - len(token_ids)
+            if sp.min_tokens > sp.max_tokens:
+                raise ValueError(f"min_tokens={sp.min_tokens}, but max_model_len={self.max_model_len} leaves "
+                                 f"{sp.max_tokens} output tokens after this prompt")
         blocks = -(-len(token_ids) // self.block_size)
         needed = blocks + fork_copies(len(token_ids), sp.n, self.block_size)
         if needed > self.num_kvcache_blocks:

@@ -112,3 +112,20 @@ def test_chat_template_kwargs_may_turn_the_generation_prompt_off(llm):
     assert bare["prompt_token_ids"] == _expected_ids(llm, conversation)[:-generation_prompt]
     with pytest.raises(ValueError, match="cannot set 'tokenize'"):
         llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
+
+
+def test_text_parts_are_joined_by_newlines_or_passed_as_parts(llm):
+    """vLLM's content formats: "string" (and "auto", for this string template) joins a message's text parts with
+    newlines; "openai" hands the template the parts, which a template that adds strings cannot render (a
+    ValueError saying to use "string")."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world!"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld!"}]
+    for content_format in ("auto", "string"):
+        out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format=content_format)[0]
+        assert out["prompt_token_ids"] == _expected_ids(llm, joined)
+    with pytest.raises(ValueError, match="with chat_template_content_format='openai' it gets each content as a list "
+                                         "of parts: use 'string'"):
+        llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    parts_template = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}")
+    out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=parts_template, chat_template_content_format="openai")
+    assert out[0].prompt == "[Hello][world!]"

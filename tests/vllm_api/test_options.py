@@ -126,8 +126,8 @@ def test_bad_prompt_dicts(tiny, model, prompt, error, match):
 
 def test_chat_arguments(tiny, model):
     conversation = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}]}]
-    out = tiny.chat(conversation, GREEDY, use_tqdm=False, lora_request=None, chat_template_content_format="openai")[0]
-    assert out.prompt == "<|im_start|>user\nHello you<|im_end|>\n<|im_start|>assistant\n"
+    out = tiny.chat(conversation, GREEDY, use_tqdm=False, lora_request=None, chat_template_content_format="string")[0]
+    assert out.prompt == "<|im_start|>user\nHello \nyou<|im_end|>\n<|im_start|>assistant\n"  # (parts: one per line)
     template = "{% for t in tools %}[{{ t['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
     out = tiny.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template,
                     tools=[{"name": "search"}], use_tqdm=False)[0]

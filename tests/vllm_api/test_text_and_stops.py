@@ -1,0 +1,98 @@
+"""Output text and stopping as vLLM gives them: a completion's text reads as it does after its prompt (a
+SentencePiece word keeps its leading space), a stop string counts only past min_tokens and the one that ends first
+wins, the tokenizer's EOS ends a sequence, generation_config's max_new_tokens is the default max_tokens, and
+max_tokens=None runs up to max_model_len."""
+import json
+import os
+import shutil
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import find_stop
+from tests.tiny_models import make_checkpoint, spm_tokenizer
+
+PROMPT = "The capital of France is"
+SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("spm"), "llama", tokenizer=spm_tokenizer())
+    with LLM(path, **SMALL) as llm:
+        yield llm
+
+
+def test_the_first_word_keeps_its_space_after_the_prompt(spm):
+    tok = spm.get_tokenizer()
+    prompt = tok.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = spm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert tok.convert_ids_to_tokens(out.token_ids[0]).startswith("\u2581")  # a word token, its space in it
+    expected = tok.decode(prompt + out.token_ids)[len(tok.decode(prompt)):]
+    assert expected.startswith(" ") and out.text == expected  # (decoded alone, the space is dropped)
+    assert "".join(d["text"] for d in spm.stream([prompt], params)) == expected
+    first = " " + expected.split()[0]  # a stop string at the very start of the completion
+    cut = spm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[first]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", first, "")
+
+
+def test_the_stop_string_that_ends_first_wins():
+    assert find_stop("abgine", 4, ["ne", "ine"]) == (4, "ne")  # both end on the same character: list order
+    assert find_stop("abgine", 4, ["ine", "ne"]) == (3, "ine")
+    assert find_stop("abcd", 4, ["cd", "b"]) == (1, "b")  # "b" ends first, though listed last
+    assert find_stop("abcd", 1, ["b", "bc"]) is None  # only stop strings ending in the last character count
+    assert find_stop("abcd", 2, ["b", "bc"]) == (1, "bc")
+
+
+def test_stop_strings_count_only_past_min_tokens(llm):
+    """As vLLM: a stop string ending in the text of the first min_tokens tokens does not stop the sequence."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    deltas = [d["text"] for d in llm.stream(PROMPT, greedy)]
+    full = "".join(deltas)
+    stop = deltas[1].strip()  # a word of the second token
+    assert stop and all(deltas[:3])
+    for min_tokens in (0, 1, 2):
+        end = len("".join(deltas[:min_tokens]))
+        at = full.find(stop, max(0, end - len(stop) + 1))  # the first occurrence that ends past those tokens
+        out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                  min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+        assert out.text == (full[:at] if at >= 0 else full), min_tokens
+        assert out.finish_reason == ("stop" if at >= 0 else "length")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("base"), "qwen3")
+
+
+def test_the_tokenizers_eos_ends_a_sequence(base, tmp_path):
+    """The tokenizer's eos_token is vLLM's primary EOS, though config.json and generation_config.json name
+    another (here <|pad|>, id 1, against <|endoftext|>, id 0)."""
+    path = shutil.copytree(base, tmp_path / "model")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|pad|>"}))
+    with LLM(str(path), **SMALL) as llm:
+        assert llm.get_tokenizer().eos_token_id == 1 and 0 in llm.config.eos_token_ids
+        ended = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, logit_bias={1: 100.0}), use_tqdm=False)[0]
+        assert ended.outputs[0].token_ids == [1] and ended.outputs[0].finish_reason == "stop"
+        ignored = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, logit_bias={1: 100.0}, ignore_eos=True),
+                               use_tqdm=False)[0]
+        assert ignored.outputs[0].token_ids == [1] * 8
+
+
+def test_max_new_tokens_and_max_tokens_none(base, tmp_path):
+    path = shutil.copytree(base, tmp_path / "model")
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 5, "temperature": 0.0}))
+    with LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 5
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 64 - 3 and out.finish_reason == "length"
+        with pytest.raises(ValueError, match="min_tokens=62, but max_model_len=64 leaves 61 output tokens"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, min_tokens=62), use_tqdm=False)
+        ids = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids  # the checkpoint's defaults
+        assert 1 <= len(ids) <= 5
+    assert os.path.isdir(path)
