@@ -97,6 +97,8 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     llm = None
     try:
         llm = LLMEngine(model, **kwargs)
+        if rank:  # unseeded requests: each replica its own draws (the same seed would repeat replica 0's)
+            llm.collective_rpc("seed_sampler", (llm.config.seed + rank,))
         conn.send((0, "ready", llm.num_kvcache_blocks))
         Replica(llm, conn).serve()
     except (EOFError, BrokenPipeError):
@@ -156,6 +158,11 @@ class Replica:
             prompts, params, loras = payload
             start = time.perf_counter()
             with llm._exclusive(kind):
+                try:
+                    llm._check_awake()
+                except RuntimeError as e:  # refused (asleep): the engine is unharmed
+                    send((call, "raise", e))
+                    return
                 requests = llm._make_requests(prompts, params, kind == "stream", loras)
                 deltas = StreamDeltas(llm, requests) if kind == "stream" else None
                 run = llm._run(requests, use_tqdm=False)
@@ -430,6 +437,7 @@ class DataParallelLLM(Frontend):
 
     def _stream(self, checked: list[tuple]) -> Iterator[dict]:
         with self._exclusive("stream"):
+            self._check_awake()  # (a stream may have been made before a sleep(), as on one engine)
             call, shares = self._dispatch("stream", checked)
             try:
                 for rank, message in self._messages(call):

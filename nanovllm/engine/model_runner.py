@@ -95,6 +95,11 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
         self.offloaded: dict[str, torch.Tensor] | None = None  # sleep(): the weights' host copies or empty shells
 
+    def seed_sampler(self, seed: int) -> None:
+        """Restart the generator that unseeded requests draw from at `seed` (data parallelism gives each replica its
+        own)."""
+        self.generator.manual_seed(seed)
+
     @contextmanager
     def _phase(self, name: str):
         start = time.perf_counter()

@@ -59,6 +59,14 @@ def _params() -> list[SamplingParams]:
             SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)] * 4
 
 
+def test_unseeded_copies_of_a_prompt_draw_apart(dp):
+    """A GRPO batch, one short prompt k times without a seed: each replica draws from its own generator, so copies
+    sent to different replicas are not the same sample (each replica seeded alike repeated the other's draws)."""
+    outs = dp.generate([[5, 6, 7, 8, 9]] * 8, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 8
+
+
 def test_outputs_equal_one_engine_in_input_order(dp, single):
     assert isinstance(dp, DataParallelLLM) and dp.num_replicas == 2
     prompts = _prompts(0, 12)
@@ -352,10 +360,13 @@ def test_weights_sleep_and_rpc_on_every_replica(chat_model, qwen3_b, deadline):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)  # every replica serves the new weights
         assert [o["token_ids"] for o in outs] == [hf_greedy(qwen3_b, p, 10) for p in prompts]
         assert sorted(s["replica"] for s in llm.last_stats) == [0, 1]
+        stream = llm.stream(prompts, GREEDY)  # made awake, read asleep: refused, as on one engine
         llm.sleep(level=1)
         assert llm.is_sleeping()
         with pytest.raises(RuntimeError, match="asleep"):
             llm.generate(prompts, GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="asleep"):
+            list(stream)
         llm.wake_up()
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o["token_ids"] for o in outs]
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
