@@ -46,6 +46,15 @@ def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and value != value)
 
 
+def _actor_id() -> str | None:
+    """This Ray actor's id (hex), or None outside an actor."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_actor_id()
+    except Exception:  # (no Ray, or no runtime context)
+        return None
+
+
 class NanoVLLMActor:
     """One Ray Data actor: one LLM, built once, reused for every batch it is given. Batches come as Arrow tables
     (exact 64-bit ints: a numpy batch turns an int column with gaps into float64, which rounds a seed such as
@@ -53,6 +62,12 @@ class NanoVLLMActor:
 
     def __init__(self, model: str, engine_kwargs: dict, sampling_params: dict):
         from nanovllm.llm import LLM
+        actor = _actor_id()
+        if "seed" not in engine_kwargs and actor is not None:
+            # unseeded rows: each actor its own draws (one engine seed would repeat them from actor to actor); the
+            # id hashed, since a CPU generator keeps only a seed's low 32 bits and actors' ids can share those
+            import hashlib
+            engine_kwargs = {**engine_kwargs, "seed": int(hashlib.sha256(actor.encode()).hexdigest()[:8], 16)}
         self.llm = LLM(model, **engine_kwargs)
         self.defaults = sampling_params
 

@@ -120,6 +120,18 @@ def test_rows_keep_64_bit_seeds_and_bad_rows_are_named(ray_cluster, model):
 
 
 @needs_ray
+def test_unseeded_copies_of_a_prompt_draw_apart_across_actors(ray_cluster, model):
+    """One prompt eight times, unseeded, one row a batch over two actors: each actor draws from its own generator
+    (one engine seed for every actor repeated the k-th batch's sample on each)."""
+    import ray
+    proc = build_processor(model, engine_kwargs=ENGINE, sampling_params=dict(temperature=1.0, max_tokens=12,
+                                                                             ignore_eos=True),
+                           concurrency=2, batch_size=1)
+    rows = proc(ray.data.from_items([{"id": i, "prompt": "Hello"} for i in range(8)])).take_all()
+    assert len({tuple(r["generated_token_ids"]) for r in rows}) == 8
+
+
+@needs_ray
 def test_max_retries_reaches_ray(ray_cluster, model):
     """max_retries=0: an actor that dies fails the run (the option is Ray's restart and retry count, not ignored)."""
     import ray

@@ -24,7 +24,7 @@ def test_ray_data_on_a_local_cluster():
     cmd = [sys.executable, "-m", "pytest", "tests/distributed/ray_checks.py", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
-    assert "4 passed" in done.stdout
+    assert "5 passed" in done.stdout
 
 
 def test_bad_options_fail_before_any_actor(model):
