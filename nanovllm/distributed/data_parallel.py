@@ -158,11 +158,6 @@ class Replica:
             prompts, params, loras = payload
             start = time.perf_counter()
             with llm._exclusive(kind):
-                try:
-                    llm._check_awake()
-                except RuntimeError as e:  # refused (asleep): the engine is unharmed
-                    send((call, "raise", e))
-                    return
                 requests = llm._make_requests(prompts, params, kind == "stream", loras)
                 deltas = StreamDeltas(llm, requests) if kind == "stream" else None
                 run = llm._run(requests, use_tqdm=False)
