@@ -15,6 +15,8 @@ class IncrementalDetokenizer:
         self.options = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:  # (only where set: tokenizers that lack it may refuse the keyword)
             self.options["spaces_between_special_tokens"] = False
+        if context and self._decode(list(context)).endswith("\ufffd"):
+            context = ()  # (the prompt ends inside a character: the completion decodes alone, as in decode_after)
         self.ids = list(context)  # the context, then the completion
         self.token_ids: list[int] = []  # the completion's tokens
         self.prefix_offset = 0  # window start: tokens before it are already text

@@ -289,6 +289,19 @@ def test_detokenizer_flush_inside_a_multibyte_character():
     assert detok.flush() == "" and detok.text == "café \ufffd"
 
 
+def test_a_prompt_ending_inside_a_character_gives_one_text_on_both_paths():
+    """Decoded after its prompt's last tokens, a completion whose prompt ends inside a character reads the same
+    incrementally (streams, stop strings) as decoded at the end: the context is dropped on both paths."""
+    from nanovllm.engine.detokenizer import decode_after
+    tok = _tokenizer()
+    ids = tok.encode("café €x done")
+    cut = ids.index(tok.encode("€")[-1])  # the prompt ends with the first two of €'s three byte tokens
+    context, completion = ids[max(0, cut - 5):cut], ids[cut:]
+    detok = IncrementalDetokenizer(tok, context=context)
+    streamed = "".join(detok.add(t) for t in completion) + detok.flush()
+    assert streamed == decode_after(tok, context, completion) == tok.decode(completion)
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(llm, qwen3_tied):
     """skip_special_tokens=False keeps special tokens in the text, in generate and in stream; True drops them.
     This prompt's greedy continuation holds the EOS token (ignore_eos runs past it)."""
