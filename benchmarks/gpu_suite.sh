@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to run on a lent GPU in one call; every step has a time limit and its full log goes to $OUT.
-#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|lora|kernels_fp8|latency|tiles|tiles_fp8|profile|
+#   bash benchmarks/gpu_suite.sh [startup_probe|engine_cuda|race|host_time|kernel_chain|tests_quick|profile_small|gemv_chain|tiles_small|tiles_default|tiles_split|tiles_token|gemv|gemv_sweep|tests|kernels|bench|plain|fp8|lora|kernels_fp8|latency|fp8_latency|tiles|tiles_fp8|profile|
 #                                 profile_fp8|ncu|ncu_small|dp1|eager|sampling|rl|structured|moe|tp_check|tp_tests|
 #                                 tp_bench|tp_profile|dp2|moe_tp2|tp4_bench|dp4|dp2_tp2|multi2|multi4]...
 # (moe = moe_tests moe_kernel moe_bench, which can also be passed one by one)
@@ -72,6 +72,16 @@ if has kernel_chain; then  # what a dependent kernel launch costs in a CUDA grap
 fi
 if has latency; then  # ms/token at batch 1/16/64, time to first token, 512 x 2048-token prefill
   TAIL=8 step latency 300 python3 benchmarks/latency.py
+fi
+if has fp8_latency; then  # Qwen3-8B's shape at batch 1 and 16: bf16, per-channel fp8, Qwen's block-scaled FP8; then
+  # where a decode step's time goes in each fp8 format (docs/quantization.md's decode rows)
+  L="benchmarks/latency.py --dummy --batches 1 16 --prefill-seqs 0 --new-tokens 64 --clocks-up 1"
+  TAIL=4 step latency_8b_bf16 120 python3 $L --model benchmarks/configs/qwen3-8b
+  TAIL=4 step latency_8b_fp8 120 python3 $L --model benchmarks/configs/qwen3-8b --quantization fp8
+  TAIL=4 step latency_8b_fp8_block 120 python3 $L --model benchmarks/configs/qwen3-8b-fp8
+  P="benchmarks/profile_step.py --cases decode:1:512 decode:16:512 --top 6"
+  TAIL=10 step profile_8b_fp8 120 python3 $P --model benchmarks/configs/qwen3-8b --quantization fp8
+  TAIL=10 step profile_8b_fp8_block 120 python3 $P --model benchmarks/configs/qwen3-8b-fp8
 fi
 if has tiles; then  # the decode kernel's tiles and split lengths, bf16 and fp8
   TAIL=16 step tiles 300 python3 benchmarks/decode_tiles.py --quick
