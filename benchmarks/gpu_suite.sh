@@ -79,7 +79,7 @@ if has fp8_latency; then  # Qwen3-8B's shape at batch 1 and 16: bf16, per-channe
   TAIL=4 step latency_8b_bf16 120 python3 $L --model benchmarks/configs/qwen3-8b
   TAIL=4 step latency_8b_fp8 120 python3 $L --model benchmarks/configs/qwen3-8b --quantization fp8
   TAIL=4 step latency_8b_fp8_block 120 python3 $L --model benchmarks/configs/qwen3-8b-fp8
-  P="benchmarks/profile_step.py --cases decode:1:512 decode:16:512 --top 6"
+  P="benchmarks/profile_step.py --cases decode:1:512 decode:16:512 --top 6 --warm 10 --steps 10"
   TAIL=10 step profile_8b_fp8 120 python3 $P --model benchmarks/configs/qwen3-8b --quantization fp8
   TAIL=10 step profile_8b_fp8_block 120 python3 $P --model benchmarks/configs/qwen3-8b-fp8
 fi
