@@ -230,12 +230,12 @@ _BLOCKWISE: dict[int, bool] = {}
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
                bias: torch.Tensor | None, activations: bool = True,
-               block_scale: torch.Tensor | None = None) -> torch.Tensor:
+               block_scale: torch.Tensor | None = None, shared_rows: int = 1) -> torch.Tensor:
     """x @ dequantized(weight)^T (+ bias), x's dtype out; weight fp8 [N, K]; scale [N] (per channel) or [N, groups]
     (per `group` columns). activations: x may be quantized to fp8 (a checkpoint with dynamic fp8 activations);
     False keeps it as it is (weight-only checkpoints). block_scale: the same scales one per 128 x 128 block
     ([N / 128, K / 128]; group 128, K / 128 a multiple of 4), for cuBLASLt's block-scaled GEMM where
-    blockwise_scaled_mm_works; bfloat16 x only."""
+    blockwise_scaled_mm_works; bfloat16 x only. shared_rows: gemv's WeightScale.rows (one row of x)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
@@ -243,7 +243,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     small = x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= SMALL_ROWS
     if small and x.shape[0] == 1:
         from nanovllm.kernels.gemv import WeightScale, gemv
-        y = gemv(x, weight, bias, scale=WeightScale(scale, group))
+        y = gemv(x, weight, bias, scale=WeightScale(scale, group, shared_rows))
         return y.reshape(*shape[:-1], weight.shape[0])
     if small or not activations:
         return w8a16(x, weight, scale, group, bias).reshape(*shape[:-1], weight.shape[0])

@@ -124,4 +124,5 @@ def _weights(linear: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _scale(linear: LinearBase) -> WeightScale | None:
     """The fp8 weight's scales for the kernels, None for a 16-bit weight."""
-    return None if linear.quant is None else WeightScale(linear.quant.scale, linear.quant.group)
+    quant = linear.quant
+    return None if quant is None else WeightScale(quant.scale, quant.group, quant.shared_rows)

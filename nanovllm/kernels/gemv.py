@@ -49,7 +49,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  SPLIT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False, PARTS: tl.constexpr = 1,
-                 GATED_OUT: tl.constexpr = False, SCALE: tl.constexpr = 0, GROUP: tl.constexpr = 1):
+                 GATED_OUT: tl.constexpr = False, SCALE: tl.constexpr = 0, GROUP: tl.constexpr = 1,
+                 SHARED: tl.constexpr = False):
     """Grid (N / BLOCK_N, splits): program (n, s) takes columns [n * BLOCK_N, +BLOCK_N) over K-range s (k_per_split
     long, a multiple of BLOCK_K; each split holds some K). SPLIT: each writes its float32 partial sums [BLOCK_M,
     BLOCK_N] to part_ptr ([splits, BLOCK_M, N]) and counts itself in count_ptr[n]; the last one to arrive adds them
@@ -64,7 +65,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     kernels/activation.py after the layer).
     SCALE: W is fp8 (converted to x's type as it is read, or to float32 for one row; exact) with float32 scales at
     s_ptr: 1, one per W row, applied to the sums; 2, one per W row and GROUP columns ([N, groups], stride_s),
-    applied to each BLOCK_K step's products (BLOCK_K divides GROUP)."""
+    applied to each BLOCK_K step's products (BLOCK_K divides GROUP); SHARED (one row): every row of the program
+    shares its scales, so they scale the step's x instead, once for all BLOCK_N rows (any BLOCK_K)."""
     if PDL:  # launched early (hopper/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
@@ -107,7 +109,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         if BLOCK_M > 1:  # the dot's operands share x's type (fp8 W: exact in it); one row widens W straight to
             w = w.to(x.dtype)  # float32 below (an fp8 W through bfloat16 costs more conversions than the row's FMAs)
-        if SCALE == 2:  # this step's group scale per W row, on the step's products
+        if SCALE == 2 and SHARED:  # (one row) the program's first row's scales serve all its rows
+            xs = x.to(tl.float32) * tl.load(s_ptr + pid_n * BLOCK_N * stride_s + offs_k // GROUP, mask=mask_k,
+                                            other=0.0)[None, :]
+            acc1 += w.to(tl.float32) * xs
+        elif SCALE == 2:  # this step's group scale per W row, on the step's products
             gs = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
             if BLOCK_M == 1:
                 acc1 += w.to(tl.float32) * x.to(tl.float32) * gs[:, None]
@@ -164,7 +170,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, s_ptr, N, K, stride_wn, stride_s, eps,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                      NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr = 0,
-                     GROUP: tl.constexpr = 1):
+                     GROUP: tl.constexpr = 1, SHARED: tl.constexpr = False):
     """One row of x. Each program loads its whole [BLOCK_N, K] slice of W at once: no kernel writes W, so with
     programmatic dependent launch (PDL) those loads may start while the kernel before is finishing; gdc_wait then
     waits for it before x is read or anything written. The whole row of x is in registers too, so the op before
@@ -172,7 +178,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, s
     GATED: x is [gate, up] (2K wide) and the layer reads silu(gate) * up;
     ADD: the layer reads x + residual, which program 0 also writes out (the new residual);
     NORM: then rms_norm(.) * nw.
-    SCALE: an fp8 W's scales, as in _gemv_kernel (2: GROUP divides BLOCK_K)."""
+    SCALE: an fp8 W's scales, as in _gemv_kernel (2: GROUP divides BLOCK_K; SHARED: they scale x)."""
     dtype = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,6 +192,8 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, s
         nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
     if SCALE == 1:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    elif SCALE == 2 and SHARED:  # the program's rows share their scales: x takes them, once for every row
+        s = tl.load(s_ptr + pid * BLOCK_N * stride_s + offs_k // GROUP, mask=mask_k, other=0.0)
     elif SCALE == 2:
         NG: tl.constexpr = BLOCK_K // GROUP
         offs_g = tl.arange(0, NG)
@@ -203,8 +211,10 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, s
             tl.store(res_out_ptr + offs_k, x, mask=mask_k)
     if NORM:
         x = norm_kernels.rms_normed(x, nw, K, eps, dtype)
+    if SCALE == 2 and SHARED:
+        x = x.to(tl.float32) * s
     prods = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if SCALE == 2:
+    if SCALE == 2 and not SHARED:
         acc = tl.sum(tl.sum(tl.reshape(prods, [BLOCK_N, NG, GROUP]), 2) * s, 1)
     else:
         acc = tl.sum(prods, 1)
@@ -245,7 +255,7 @@ def gemv_config(m: int, n: int, k: int, swap: bool = False, itemsize: int = 2) -
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest on Hopper, for the Qwen3-0.6B shapes, of the tiles
     benchmarks/small_gemm.py --sweep (--swap) tries; swap: the swapped product's (swapped()). One row of an fp8 W
     (itemsize 1; Qwen3-8B's down projection, K 12,288) steps twice as far along K: the same bytes a step (block-scaled
-    weights then step one block: _general)."""
+    weights then step one block, unless each program's rows share their scales: _general)."""
     if m == 1:
         return 8, 512 * 2 // itemsize if itemsize <= 2 else 512, 4, 3
     if swap:
@@ -277,9 +287,25 @@ def gemv_split_k(m: int, n: int, k: int, block_n: int, block_k: int, device: tor
 
 class WeightScale(NamedTuple):
     """An fp8 weight's float32 scales: `scales` [N] (one per row, group None) or [N, groups], one per row and
-    `group` columns (a power of two)."""
+    `group` columns (a power of two). rows: every aligned run of this many rows (a power of two) has the same
+    scales (a checkpoint's 128-row blocks: shared_rows()); a one-row product then scales x per group, once for a
+    program's rows, instead of each product per group (Qwen's FP8 checkpoints at batch 1: docs/quantization.md)."""
     scales: torch.Tensor
     group: int | None
+    rows: int = 1
+
+
+def shared_rows(scales: torch.Tensor, most: int = 128) -> int:
+    """WeightScale.rows for [N, groups] scales: the longest aligned run of rows, a power of two up to `most`, over
+    which they do not change (1 for per-row scales). Compares on the scales' device: call it at load, not in a
+    captured graph."""
+    if scales.dim() != 2:
+        return 1
+    index = torch.arange(scales.shape[0], device=scales.device)
+    run = most
+    while run > 1 and not torch.equal(scales, scales[index // run * run]):
+        run //= 2
+    return run
 
 
 @dataclass
@@ -363,15 +389,22 @@ def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | N
     return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out, scale=scale)
 
 
-def _scale_args(scale: "WeightScale | None", y: torch.Tensor, row_block_k: int | None = None) -> tuple:
-    """(s_ptr, stride_s, SCALE, GROUP) kernel arguments for `scale`. The one-row kernel (row_block_k: its BLOCK_K,
-    the whole row) takes a group no wider than that (one group: the row); the general kernel the group itself."""
+def _scale_args(scale: "WeightScale | None", y: torch.Tensor, shared: bool,
+                row_block_k: int | None = None) -> tuple:
+    """(s_ptr, stride_s, SCALE, GROUP, SHARED) kernel arguments for `scale`; shared: scale x (one row, each
+    program's rows sharing their scales). The one-row kernel (row_block_k: its BLOCK_K, the whole row) takes a
+    group no wider than that (one group: the row); the general kernel the group itself."""
     if scale is None:
-        return y, 0, 0, 1
+        return y, 0, 0, 1, False
     if scale.group is None:
-        return scale.scales, 0, 1, 1
+        return scale.scales, 0, 1, 1, False
     group = scale.group if row_block_k is None else min(scale.group, row_block_k)
-    return scale.scales, scale.scales.stride(0), 2, group
+    return scale.scales, scale.scales.stride(0), 2, group, shared
+
+
+def _shares(scale: "WeightScale | None", m: int, block_n: int) -> bool:
+    """One row, group scales, and each program's block_n rows inside one run of rows with the same scales."""
+    return m == 1 and scale is not None and scale.group is not None and scale.rows >= block_n
 
 
 def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale=None):
@@ -381,12 +414,12 @@ def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale
     res_out = torch.empty_like(residual) if residual is not None else y
     residual = residual.contiguous() if residual is not None else x
     block_n, block_k, warps = row_config(n, k)
-    s_ptr, stride_s, scaled, group = _scale_args(scale, y, block_k)
+    s_ptr, stride_s, scaled, group, shared = _scale_args(scale, y, _shares(scale, 1, block_n), block_k)
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
         res_out, s_ptr, n, k, weight.stride(0), stride_s, norm[1] if norm is not None else 0.0, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y,
-        PDL=pdl, SCALE=scaled, GROUP=group, num_warps=warps, **pdl_launch(pdl))
+        PDL=pdl, SCALE=scaled, GROUP=group, SHARED=shared, num_warps=warps, **pdl_launch(pdl))
     return (y, res_out) if res_out is not y else y
 
 
@@ -400,7 +433,8 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
     else:
         block_n, block_k, warps, stages, split, swap = (*config, 0, False)[:6]
         swap = swap and m > 1
-    if scale is not None and scale.group is not None:
+    shared = _shares(scale, m, block_n) and not gated_out  # (gated_out's rows are two runs, N/2 apart)
+    if scale is not None and scale.group is not None and not shared:
         block_k = min(block_k, scale.group)  # (a step's products take one group's scale)
     split_k, k_per_split = k_splits(k, split or gemv_split_k(m, n, k, block_n, block_k, x.device, swap), block_k)
     block_m = 1 if m == 1 else 16
@@ -417,7 +451,7 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
         sumsq = scratch(x.device, "gemv_sumsq", parts * block_m, torch.float32)
     elif normed is not None:
         sumsq, parts, eps = normed.sumsq, normed.parts, normed.eps
-    s_ptr, stride_s, scaled, group = _scale_args(scale, y)
+    s_ptr, stride_s, scaled, group, shared = _scale_args(scale, y, shared)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),
@@ -425,8 +459,8 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
         BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=n % block_n == 0 and k % block_k == 0, SPLIT=split_k > 1,
         SWAP=swap, PDL=pdl, ADD_NORM=add_norm is not None, SCALE_ROWS=normed is not None,
-        PARTS=triton.next_power_of_2(parts), GATED_OUT=gated_out, SCALE=scaled, GROUP=group, num_warps=warps,
-        num_stages=stages,
+        PARTS=triton.next_power_of_2(parts), GATED_OUT=gated_out, SCALE=scaled, GROUP=group, SHARED=shared,
+        num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     if add_norm is not None:
         return y, NormedRows(xn, sumsq, parts, eps)

@@ -60,6 +60,7 @@ class Fp8Linear:
         self.config = config
         self.block_rows, self.group = config.block
         self.block_scale: torch.Tensor | None = None  # (finish) the scales per 128 x 128 block, for cuBLASLt
+        self.shared_rows = 1  # (finish) aligned rows that share their scales (gemv's WeightScale.rows)
         self.scale_name = config.scale_name
 
     # ---- making and loading the weights ----------------------------------------------------------------
@@ -113,6 +114,8 @@ class Fp8Linear:
         layer.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = scale  # [out] or [out, groups], float32
         self.block_scale = self._block_scale(weight, scale)
+        from nanovllm.kernels.gemv import shared_rows
+        self.shared_rows = shared_rows(scale)
         return self
 
     def _block_scale(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -131,7 +134,7 @@ class Fp8Linear:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from nanovllm.kernels.fp8_gemm import fp8_linear
         return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations,
-                          self.block_scale)
+                          self.block_scale, self.shared_rows)
 
 
 def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_rows: int,

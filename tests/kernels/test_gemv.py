@@ -20,10 +20,11 @@ def check_gemv(m: int, n: int, k: int, dtype, bias: bool, device="cpu", config=N
     assert_close(out, ref, dtype, f"gemv m={m} n={n} k={k} bias={bias}")
 
 
-def fp8_weight(n: int, k: int, group: int | None, device="cpu"):
+def fp8_weight(n: int, k: int, group: int | None, device="cpu", block_rows: int = 1):
     """(fp8 W [n, k], its WeightScale, W dequantized in float32): per-row scales (group None) or per row and group
-    of `group` columns (the last group may be short)."""
-    from nanovllm.kernels.gemv import WeightScale
+    of `group` columns (the last group may be short); block_rows: one scale per block of that many rows and `group`
+    columns, repeated over its rows, as a checkpoint's 128 x 128 blocks (the last block may be short)."""
+    from nanovllm.kernels.gemv import WeightScale, shared_rows
     from nanovllm.quantization.fp8 import dequantize, quantize_rows
     w = torch.randn(n, k, device=device) * torch.exp(torch.randn(n, 1, device=device)) * k ** -0.5
     if group is None:
@@ -32,16 +33,19 @@ def fp8_weight(n: int, k: int, group: int | None, device="cpu"):
         groups = -(-k // group)
         padded = torch.nn.functional.pad(w, (0, groups * group - k)).view(n, groups, group)
         scales = padded.abs().amax(-1).clamp(min=1e-12) / 448.0
+        if block_rows > 1:  # each block's largest row scale, over its rows
+            blocks = torch.nn.functional.pad(scales, (0, 0, 0, -n % block_rows)).view(-1, block_rows, groups)
+            scales = blocks.amax(1).repeat_interleave(block_rows, 0)[:n].contiguous()
         q = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(n, -1)[:, :k].contiguous()
-    return q, WeightScale(scales, group), dequantize(q, scales, group)
+    return q, WeightScale(scales, group, shared_rows(scales)), dequantize(q, scales, group)
 
 
-def check_gemv_fp8(m: int, n: int, k: int, group: int | None, dtype, device="cpu", config=None):
+def check_gemv_fp8(m: int, n: int, k: int, group: int | None, dtype, device="cpu", config=None, block_rows=1):
     """gemv on an fp8 W with its scales (x as it is) against F.linear on the dequantized W in float32; then the
     folds: one row with the norm and residual add, or 2-16 rows with the norm split over two layers."""
     from nanovllm.kernels.gemv import gemv, gemv_add_norm, gemv_folded, gemv_normed
     from nanovllm.layers import layernorm
-    q, scale, w = fp8_weight(n, k, group, device)
+    q, scale, w = fp8_weight(n, k, group, device, block_rows)
     x = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(n, device=device).to(dtype)
     what = f"fp8 gemv m={m} n={n} k={k} group={group}"
@@ -55,11 +59,15 @@ def check_gemv_fp8(m: int, n: int, k: int, group: int | None, dtype, device="cpu
         assert torch.equal(new_residual, ref_residual)
         assert_close(y, torch.nn.functional.linear(normed.float(), w), dtype, what + ", folded")
         return
-    q2, scale2, w2 = fp8_weight(k, n, group, device)  # the layer before: [m, n] -> [m, k], + residual, norm
+    q2, scale2, w2 = fp8_weight(k, n, group, device, block_rows)  # the layer before: [m, n] -> [m, k], + residual, norm
     x2 = torch.randn(m, n, device=device).to(dtype)
     h, rows = gemv_add_norm(x2, q2, None, residual, nw, 1e-6, config=config, scale=scale2)
-    ref_h = (torch.nn.functional.linear(x2.float(), w2).to(dtype).float() + residual.float()).to(dtype)
-    assert_close(h, ref_h.float(), dtype, what + ", add_norm")
+    product = torch.nn.functional.linear(x2.float(), w2)
+    ref_h = (product.to(dtype).float() + residual.float()).to(dtype)
+    # (h adds the product rounded to x's type: a different summation order may round it one unit the other way,
+    # which the residual's cancellation can leave larger than the tolerance of h itself)
+    ulp = product.abs() * torch.finfo(dtype).eps
+    assert_close(h, ref_h.float(), dtype, what + ", add_norm", slack=ulp)
     # (the kernel's order: (h * nw) rounded, times W, times each row's rstd)
     rstd = torch.rsqrt(ref_h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     ref = torch.nn.functional.linear((ref_h.float() * nw.float()).to(dtype).float(), w) * rstd
@@ -177,6 +185,40 @@ def test_gemv_one_fp8_row_with_groups_wider_than_its_steps():
     check_gemv_fp8(1, 16, 8192, 2048, torch.float16)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,k,block_rows,shares", [(48, 1000, 16, True), (40, 1000, 16, True), (40, 5000, 8, True),
+                                                   (40, 5000, 16, True), (48, 1000, 8, False),
+                                                   (40, 5000, 4, False)])
+def test_gemv_one_fp8_row_with_block_scales(n, k, block_rows, shares):
+    # 128-column groups whose scales repeat over blocks of rows (a checkpoint's 128 x 128 blocks; the last block
+    # short): where each program's rows (16 in the one-row kernel at K 1,000, 8 in the general one past ROW_MAX_K)
+    # share their scales they scale x once, else each product, as with per-row scales
+    from nanovllm.kernels.gemv import _shares, gemv_config, row_config
+    block_n = row_config(n, k)[0] if k <= 4096 else gemv_config(1, n, k, itemsize=1)[0]
+    assert _shares(fp8_weight(n, k, 128, block_rows=block_rows)[1], 1, block_n) == shares
+    check_gemv_fp8(1, n, k, 128, torch.float16, block_rows=block_rows)
+    check_gemv_fp8(3, n, k, 128, torch.float16, block_rows=block_rows)  # (2-16 rows: never shared)
+
+
+@pytest.mark.interpreter
+def test_gemv_one_fp8_row_with_block_scales_in_k_splits():
+    # the general kernel's K split over three programs per tile, the last tile of rows short (72 = 4 x 16 + 8)
+    check_gemv_fp8(1, 72, 5000, 128, torch.float16, config=(8, 256, 4, 1, 3), block_rows=8)
+
+
+def test_shared_rows():
+    # the longest aligned power-of-two run of rows whose scales do not change, up to 128: per-row scales 1; 128-row
+    # blocks 128 (a short last block too); a packed layer whose 64-row part starts a new block mid-run 64
+    from nanovllm.kernels.gemv import shared_rows
+    blocks = torch.rand(5, 3)
+    assert shared_rows(torch.rand(256, 3)) == 1 and shared_rows(torch.rand(256)) == 1
+    assert shared_rows(blocks.repeat_interleave(128, 0)) == 128
+    assert shared_rows(blocks.repeat_interleave(128, 0)[:600]) == 128
+    packed = torch.cat([blocks[:2].repeat_interleave(128, 0), blocks[2:4].repeat_interleave(64, 0)])
+    assert shared_rows(packed) == 64
+    assert shared_rows(blocks.repeat_interleave(128, 0), most=16) == 16
+
+
 def test_gemv_split_choice():
     # H200 shape, 132 SMs. The swapped product for Qwen3-0.6B's gate_up (96 programs of 64 columns), o_proj and
     # down (K 2,048 and 3,072) at 2-16 rows, not for qkv (64 programs, K 1,024), the LM head or one row. K-splits
@@ -247,12 +289,13 @@ def test_gpu_gemv(rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 9, 16])
-@pytest.mark.parametrize("group", [None, 128])
-def test_gpu_gemv_on_fp8_weights(rows, group):
-    # the Qwen3-8B shapes (qkv, o, gate_up, down) with fp8 weights, in bf16 against float32
+@pytest.mark.parametrize("group,block_rows", [(None, 1), (128, 1), (128, 128)])
+def test_gpu_gemv_on_fp8_weights(rows, group, block_rows):
+    # the Qwen3-8B shapes (qkv, o, gate_up, down) with fp8 weights, in bf16 against float32; 128 x 128 blocks (Qwen's
+    # FP8 checkpoints: one row scales x)
     torch.manual_seed(rows)
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
-        check_gemv_fp8(rows, n, k, group, torch.bfloat16, device="cuda")
+        check_gemv_fp8(rows, n, k, group, torch.bfloat16, device="cuda", block_rows=block_rows)
 
 
 @pytest.mark.gpu

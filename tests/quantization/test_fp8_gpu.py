@@ -56,6 +56,28 @@ def test_fp8_linear_against_float32(m, group):
                                    + bias.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 7, 16, 100])
+def test_fp8_linear_on_block_scales_shared_by_rows(m):
+    # Qwen's 128 x 128 blocks (scales repeated over their rows): one row scales x once for a program's rows (gemv);
+    # 2-16 rows and weight-only layers at 100 rows scale each step's products (w8a16); 100 rows with dynamic
+    # activations take cuBLASLt's or the Triton block GEMM
+    from nanovllm.kernels.fp8_gemm import fp8_linear
+    from nanovllm.kernels.gemv import shared_rows
+    torch.manual_seed(m)
+    n, k = 384, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    blocks = (torch.randn(n, k, device="cuda") * 0.05).view(n // 128, 128, k // 128, 128)
+    scales = blocks.abs().amax((1, 3)) / 448.0  # [n / 128, k / 128]
+    wq = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
+    ws = scales.repeat_interleave(128, 0)
+    assert shared_rows(ws) == 128
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    expected = _reference(x, torch.ones(m, 1, device="cuda"), wq, ws, 128) + bias.float()
+    for activations in ([False] if m > 16 else [True, False]):
+        y = fp8_linear(x, wq, ws, 128, bias, activations=activations, shared_rows=128)
+        torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_activation_quantizer_on_rows_longer_than_a_tile():
     """Per-token rows of 20,000 columns (past MAX_TILE: read in two passes) get |max| / 448 as their scale and
     values within e4m3's rounding, at magnitudes 100^-1 to 100."""
