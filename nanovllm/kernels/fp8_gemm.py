@@ -1,7 +1,7 @@
 """FP8 linear layers on CUDA: activations quantized on the fly, then an fp8 product with the weight's scales. Small
 batches read the fp8 weight against x as it is: one 16-bit row (batch-1 decode) in gemv.py's one-row kernel (which
 the fused decode step also folds the norms into), 2 to SMALL_ROWS rows, and weight-only checkpoints at any size, in
-w8a16 below (at 16 rows of Qwen3-8B it measured faster than gemv.py's 16-row kernel on fp8 weights:
+w8a16 below (at 16 rows of Qwen3-8B it measured faster than gemv.py's 16-row kernel reading fp8 weights did:
 docs/quantization.md).
 
 - Per-channel weight scales: x quantized per token (a scale per row), then torch._scaled_mm (cuBLASLt's fp8 GEMM)

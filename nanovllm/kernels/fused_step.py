@@ -87,17 +87,14 @@ class FusedDecodeStep:
         x = layers[0].input_layernorm(hidden)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(x) if rows is None else gemv_normed(rows, *_weights(attn.qkv_proj),
-                                                                            scale=_scale(attn.qkv_proj))
+            qkv = attn.qkv_proj(x) if rows is None else gemv_normed(rows, *_weights(attn.qkv_proj))
             o = attn.attend(positions, qkv)
             norm = layer.post_attention_layernorm
-            residual, rows = gemv_add_norm(o, *_weights(attn.o_proj), residual, norm.weight, norm.eps,
-                                           scale=_scale(attn.o_proj))
-            act = gemv_normed(rows, *_weights(mlp.gate_up_proj), gated_out=True, scale=_scale(mlp.gate_up_proj))
+            residual, rows = gemv_add_norm(o, *_weights(attn.o_proj), residual, norm.weight, norm.eps)
+            act = gemv_normed(rows, *_weights(mlp.gate_up_proj), gated_out=True)
             if i + 1 < len(layers):
                 norm = layers[i + 1].input_layernorm
-                residual, rows = gemv_add_norm(act, *_weights(mlp.down_proj), residual, norm.weight, norm.eps,
-                                               scale=_scale(mlp.down_proj))
+                residual, rows = gemv_add_norm(act, *_weights(mlp.down_proj), residual, norm.weight, norm.eps)
             else:
                 hidden, _ = self.model.norm(mlp.down_proj(act), residual)
         return hidden

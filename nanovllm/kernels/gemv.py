@@ -63,10 +63,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     GATED_OUT: W is an MLP's [gate; up] (N rows, N/2 each) and y [M, N/2] is silu(gate) * up: program n takes
     gate rows [n * BLOCK_N/2, +BLOCK_N/2) and the matching up rows, and rounds both before the SiLU-and-mul (as
     kernels/activation.py after the layer).
-    SCALE: W is fp8 (converted to x's type as it is read, or to float32 for one row; exact) with float32 scales at
-    s_ptr: 1, one per W row, applied to the sums; 2, one per W row and GROUP columns ([N, groups], stride_s),
-    applied to each BLOCK_K step's products (BLOCK_K divides GROUP); SHARED (one row): every row of the program
-    shares its scales, so they scale the step's x instead, once for all BLOCK_N rows (any BLOCK_K)."""
+    SCALE (one row; 2-16 rows of an fp8 W take fp8_gemm.w8a16, measured faster): W is fp8 (widened to float32 as
+    it is read; exact) with float32 scales at s_ptr: 1, one per W row, applied to the sums; 2, one per W row and
+    GROUP columns ([N, groups], stride_s), applied to each BLOCK_K step's products (BLOCK_K divides GROUP); SHARED:
+    every row of the program shares its scales, so they scale the step's x instead, once for all BLOCK_N rows (any
+    BLOCK_K)."""
     if PDL:  # launched early (hopper/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
@@ -107,20 +108,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if BLOCK_M > 1:  # the dot's operands share x's type (fp8 W: exact in it); one row widens W straight to
-            w = w.to(x.dtype)  # float32 below (an fp8 W through bfloat16 costs more conversions than the row's FMAs)
-        if SCALE == 2 and SHARED:  # (one row) the program's first row's scales serve all its rows
+        # (one row widens an fp8 W straight to float32: through bfloat16 costs more conversions than its FMAs)
+        if SCALE == 2 and SHARED:  # the program's first row's scales serve all its rows
             xs = x.to(tl.float32) * tl.load(s_ptr + pid_n * BLOCK_N * stride_s + offs_k // GROUP, mask=mask_k,
                                             other=0.0)[None, :]
             acc1 += w.to(tl.float32) * xs
         elif SCALE == 2:  # this step's group scale per W row, on the step's products
             gs = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
-            if BLOCK_M == 1:
-                acc1 += w.to(tl.float32) * x.to(tl.float32) * gs[:, None]
-            elif SWAP:
-                acc_t += tl.dot(w, tl.trans(x)) * gs[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(w)) * gs[None, :]
+            acc1 += w.to(tl.float32) * x.to(tl.float32) * gs[:, None]
         elif BLOCK_M == 1:
             acc1 += w.to(tl.float32) * x.to(tl.float32)
         elif SWAP:
@@ -329,14 +324,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: tuple[int, ...] | None = None, row_kernel: bool | None = None, pdl: bool | None = None,
          scale: "WeightScale | None" = None):
     """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS, both unit-stride along K. One row up to ROW_MAX_K
-    takes the one-row kernel (under PDL where the GPU has it), 2-16 rows the general kernel. scale: weight is fp8
-    and this its scales (the product is x @ dequantized(weight)^T). For benchmarks and tests: config (BLOCK_N,
+    takes the one-row kernel (under PDL where the GPU has it), 2-16 rows the general kernel. scale (one row): weight
+    is fp8 and this its scales (the product is x @ dequantized(weight)^T). For benchmarks and tests: config (BLOCK_N,
     BLOCK_K, num_warps, num_stages[, K-splits[, swapped]]) picks the general kernel's tile (K-splits 0: the default
     count); row_kernel and pdl force those choices."""
     m, k = x.shape
     _check(m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1 and weight.shape[1] == k
            and (not row_kernel or m == 1), "x [1-16, K] and weight [N, K], unit stride along K (row_kernel: one row)",
            x=x, weight=weight)
+    _check(scale is None or m == 1, "an fp8 weight (scale) takes one row of x; 2-16 rows take fp8_gemm.w8a16", x=x)
     if row_kernel if row_kernel is not None else (m == 1 and k <= ROW_MAX_K and config is None):
         return _row(x, weight, bias, pdl=pdl, scale=scale)
     return _general(x, weight, bias, config, scale=scale)
@@ -367,8 +363,7 @@ def gemv_folded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float, config: tuple[int, ...] | None = None,
-                  scale: "WeightScale | None" = None):
+                  norm_weight: torch.Tensor, eps: float, config: tuple[int, ...] | None = None):
     """2-16 rows, the first half of an RMSNorm folded between two layers: returns (h, NormedRows) with h = x @ W^T
     (+ bias) + residual, the new residual, and the next layer's input with the norm's weight applied (gemv_normed
     takes it)."""
@@ -376,17 +371,16 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _check(1 < m <= MAX_ROWS and residual.shape == (m, n) and residual.is_contiguous() and norm_weight.shape == (n,),
            "2-16 rows, a contiguous residual [M, N] and a norm weight [N]", x=x, weight=weight, residual=residual,
            norm_weight=norm_weight)
-    return _general(x, weight, bias, config, add_norm=(residual, norm_weight, eps), scale=scale)
+    return _general(x, weight, bias, config, add_norm=(residual, norm_weight, eps))
 
 
 def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | None = None,
-                gated_out: bool = False, config: tuple[int, ...] | None = None,
-                scale: "WeightScale | None" = None) -> torch.Tensor:
+                gated_out: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """The layer after gemv_add_norm: rms_norm(h) @ W^T (+ bias) from its NormedRows. gated_out: weight is an MLP's
     [gate; up] and the layer returns silu_and_mul of its output, [M, N/2], from the kernel's epilogue."""
     _check(1 < rows.x.shape[0] <= MAX_ROWS and (not gated_out or weight.shape[0] % 2 == 0),
            "2-16 rows (gated_out: an even N)", x=rows.x, weight=weight)
-    return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out, scale=scale)
+    return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out)
 
 
 def _scale_args(scale: "WeightScale | None", y: torch.Tensor, shared: bool,
@@ -433,7 +427,7 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
     else:
         block_n, block_k, warps, stages, split, swap = (*config, 0, False)[:6]
         swap = swap and m > 1
-    shared = _shares(scale, m, block_n) and not gated_out  # (gated_out's rows are two runs, N/2 apart)
+    shared = _shares(scale, m, block_n)
     if scale is not None and scale.group is not None and not shared:
         block_k = min(block_k, scale.group)  # (a step's products take one group's scale)
     split_k, k_per_split = k_splits(k, split or gemv_split_k(m, n, k, block_n, block_k, x.device, swap), block_k)
