@@ -134,13 +134,13 @@ def chain(rows_list):
         return matmul(h, head)
 
     def folded(x, pdl):  # one row: the norms, residual adds and SiLU inside the one-row kernel (forward_small)
-        h, r = gemv.gemv(x, ws[0][0], norm=(nw, 1e-6), pdl=pdl), x
+        h, r = gemv.gemv_folded(x, ws[0][0], norm=(nw, 1e-6), pdl=pdl), x
         for i, (qkv, o, gu, down) in enumerate(ws):
             if i:
-                h, r = gemv.gemv(h, qkv, norm=(nw, 1e-6), residual=r, pdl=pdl)
+                h, r = gemv.gemv_folded(h, qkv, norm=(nw, 1e-6), residual=r, pdl=pdl)
             h = gemv.gemv(h[:, :2048].contiguous(), o, pdl=pdl)
-            h, r = gemv.gemv(h, gu, norm=(nw, 1e-6), residual=r, pdl=pdl)
-            h = gemv.gemv(h, down, gated=True, pdl=pdl)
+            h, r = gemv.gemv_folded(h, gu, norm=(nw, 1e-6), residual=r, pdl=pdl)
+            h = gemv.gemv_folded(h, down, gated=True, pdl=pdl)
         return gemv.gemv(norm.add_rms_norm(h, r, nw, 1e-6)[0], head, pdl=pdl)
 
     variants = [("cublas", F.linear),
