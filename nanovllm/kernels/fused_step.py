@@ -55,7 +55,9 @@ class FusedDecodeStep:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(type(lin) in plain and _takes(lin, dtype) for lin in linears):
                 return None  # another layer or weight format: decline
-        fp8 = any(lin.quant is not None for layer in layers for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        fp8 = any(lin.quant is not None for layer in layers  # (an ignore list may leave any of them 16-bit)
+                  for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                              layer.mlp.down_proj))
         return cls(model, rows_fold=layers[0].self_attn.o_proj.tp_size == 1 and not fp8)
 
     def accepts(self, rows: int) -> bool:

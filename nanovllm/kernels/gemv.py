@@ -419,6 +419,8 @@ def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale
 
 def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out=False, scale=None):
     m, k = x.shape
+    _check(m == 1 or weight.dtype == x.dtype, "2-16 rows take a weight of x's dtype (an fp8 W: fp8_gemm.w8a16)",
+           x=x, weight=weight)
     n = weight.shape[0]
     y = torch.empty(m, n // 2 if gated_out else n, dtype=x.dtype, device=x.device)
     if config is None:

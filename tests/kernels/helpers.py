@@ -107,13 +107,15 @@ class SeqStub:
         self.num_completion_tokens, self.is_finished, self.generator = 0, False, None
 
 
-def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = None, fp8_group: int | None = 0):
+def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = None, fp8_group: int | None = 0,
+                     fp8_block_rows: int = 1):
     """Three decoder layers and the final norm through kernels/fused_step.FusedDecodeStep (the norms, residual adds
     and SiLU-and-mul inside the projections' kernels) against the plain model; attention replaced by a fixed map of
     qkv (its kernels have their own checks), so this pins which norm, residual and weight goes where (a wrong one
     moves outputs by tenths). tolerance: assert_close's, where not the dtype's. fp8_group (not 0): the step's
     projections hold fp8 weights (scales per row, or per row and fp8_group columns) and the plain model their
-    dequantized values."""
+    dequantized values; fp8_block_rows: one group scale per block of that many rows (a checkpoint's blocks: the
+    one-row kernels then scale x)."""
     from types import SimpleNamespace
 
     from nanovllm.kernels.fused_step import FusedDecodeStep
@@ -131,6 +133,7 @@ def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = No
     if fp8_group != 0:
         import copy
 
+        from nanovllm.kernels.gemv import shared_rows
         from nanovllm.quantization.config import QuantConfig
         from nanovllm.quantization.fp8 import Fp8Linear, dequantize
         fused = copy.deepcopy(model)
@@ -145,10 +148,13 @@ def check_fused_step(rows: int, dtype, device="cpu", tolerance: dict | None = No
                 else:
                     blocks = w.view(w.shape[0], -1, fp8_group)
                     scale = blocks.abs().amax(-1) / 448.0
+                    scale = scale.view(-1, fp8_block_rows, scale.shape[1]).amax(1).repeat_interleave(fp8_block_rows, 0)
                     q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(w.shape)
                 lin.weight = torch.nn.Parameter(q, requires_grad=False)
                 lin.quant = Fp8Linear(QuantConfig("fp8", block=(1, fp8_group)))
                 lin.quant.scale = scale
+                lin.quant.shared_rows = shared_rows(scale)
+                assert lin.quant.shared_rows == (fp8_block_rows if fp8_group else 1)
                 getattr(getattr(plain, part), name).weight.data.copy_(dequantize(q, scale, fp8_group))
     step = FusedDecodeStep(SimpleNamespace(model=fused), rows_fold=True)
     assert step.accepts(rows) == (rows == 1 or 9 <= rows <= 16)

@@ -15,15 +15,16 @@ def test_fused_step(rows):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("group", [None, 32])
-def test_fused_step_on_fp8_weights(group):
-    # one row of fp8 projections, scales per row or per 32 columns, read by the folded kernels with their scales
-    check_fused_step(1, torch.float16, fp8_group=group)
+@pytest.mark.parametrize("group,block_rows", [(None, 1), (32, 1), (32, 16)])
+def test_fused_step_on_fp8_weights(group, block_rows):
+    # one row of fp8 projections, scales per row, per 32 columns, or per 16 x 32 block (each program's 16 rows share
+    # them: x takes them), read by the folded kernels with their scales
+    check_fused_step(1, torch.float16, fp8_group=group, fp8_block_rows=block_rows)
 
 
 def test_fused_step_takes_one_row_of_fp8_weights():
-    # build on a dense decoder: 1 and 9-16 rows in 16 bits; with fp8 projections one row only (9-16 rows run the
-    # model, whose w8a16 kernel measured faster)
+    # build on a dense decoder: 1 and 9-16 rows in 16 bits; with any fp8 projection one row only (9-16 rows run the
+    # model, whose w8a16 kernel measured faster; an ignore list may leave any of the four 16-bit)
     from types import SimpleNamespace
 
     from nanovllm.kernels.fused_step import FusedDecodeStep
@@ -36,11 +37,14 @@ def test_fused_step_takes_one_row_of_fp8_weights():
     model = SimpleNamespace(model=DecoderModel(config, DecoderFlags()).to(torch.float16))
     step = FusedDecodeStep.build(model, torch.float16, torch.device("cuda"))
     assert step.accepts(1) and step.accepts(12)
-    lin = model.model.layers[1].mlp.down_proj
-    lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
-    lin.quant = Fp8Linear(QuantConfig("fp8"))
-    step = FusedDecodeStep.build(model, torch.float16, torch.device("cuda"))
-    assert step.accepts(1) and not step.accepts(12)
+    for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                       ("mlp", "down_proj")):
+        model = SimpleNamespace(model=DecoderModel(config, DecoderFlags()).to(torch.float16))
+        lin = getattr(getattr(model.model.layers[1], part), name)
+        lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+        lin.quant = Fp8Linear(QuantConfig("fp8"))
+        step = FusedDecodeStep.build(model, torch.float16, torch.device("cuda"))
+        assert step.accepts(1) and not step.accepts(12), name
 
 
 def test_fused_step_takes_fp8_weights_and_declines_others():

@@ -248,6 +248,9 @@ def test_gemv_refuses_the_one_row_kernel_for_more_rows():
         gemv(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), row_kernel=True)
     with pytest.raises(ValueError, match="one row of K"):
         gemv_folded(torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), gated=True)
+    fp8 = torch.randn(8, 32).to(torch.float8_e4m3fn)  # (2-16 rows of an fp8 W take fp8_gemm.w8a16)
+    with pytest.raises(ValueError, match="2-16 rows take a weight of x's dtype"):
+        gemv(torch.randn(3, 32, dtype=torch.bfloat16), fp8)
 
 
 def test_gemv_refuses_a_norm_fold_it_cannot_run():
