@@ -71,6 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
     if PDL:  # launched early (hopper/pdl.py): the kernel after this one (norm, SiLU, rotary, ...) may launch
         tl.extra.cuda.gdc_launch_dependents()  # now and wait; then wait for the kernel before this one
         tl.extra.cuda.gdc_wait()
+    tl.static_assert(SCALE == 0 or BLOCK_M == 1, "an fp8 W takes one row (2-16 rows: fp8_gemm.w8a16)")
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = BLOCK_N // 2
     if GATED_OUT:  # the tile's W rows: gate rows, then the up rows N/2 further

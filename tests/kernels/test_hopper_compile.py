@@ -338,22 +338,18 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
                                  SWAP=swap, PDL=True, ADD_NORM=fold == "add", SCALE_ROWS=fold.startswith("scale"),
                                  PARTS=16, GATED_OUT=fold.endswith("gated")),
                             num_warps=warps, num_stages=stages)
-    # fp8 weights (Qwen3-8B shapes: qkv; o_proj folded; down split): scales per row, and per row and 128 columns
-    for rows, n, k, fold in ((16, 6144, 4096, ""), (16, 4096, 4096, "add"), (1, 4096, 12288, ""),
-                             (9, 24576, 4096, "scale gated")):
-        for scale, group in ((1, 1), (2, 128)):
-            swap = gemv.swapped(rows, n, k)
-            block_n, block_k, warps, stages = gemv.gemv_config(rows, n, k, swap)
-            block_k = min(block_k, 128) if scale == 2 else block_k
-            _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "b_ptr", "y_ptr", "res_ptr",
-                                                                         "xn_ptr", "nw_ptr")}
-                                | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
-                                   "sumsq_ptr": "*fp32", "eps": "fp32"},
-                                dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     HAS_BIAS=False, EVEN=True, SPLIT=False, SWAP=swap, PDL=True,
-                                     ADD_NORM=fold == "add", SCALE_ROWS=fold.startswith("scale"), PARTS=16,
-                                     GATED_OUT=fold.endswith("gated"), SCALE=scale, GROUP=group),
-                                num_warps=warps, num_stages=stages)
+    # fp8 weights, one row (Qwen3-8B's down, K past the one-row kernel's): scales per row, per row and 128 columns
+    # (each product), and per 128 x 128 block (shared by the program's rows: x takes them)
+    for scale, group, shared in ((1, 1, False), (2, 128, False), (2, 128, True)):
+        block_n, block_k, warps, stages = gemv.gemv_config(1, 4096, 12288, itemsize=1)
+        block_k = min(block_k, 128) if scale == 2 and not shared else block_k
+        _compile_for_hopper(gemv._gemv_kernel, {n: "*bf16" for n in ("x_ptr", "b_ptr", "y_ptr", "res_ptr", "xn_ptr",
+                                                                     "nw_ptr")}
+                            | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
+                               "sumsq_ptr": "*fp32", "eps": "fp32"},
+                            dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, EVEN=True, SPLIT=False,
+                                 SWAP=False, PDL=True, PARTS=16, SCALE=scale, GROUP=group, SHARED=shared),
+                            num_warps=warps, num_stages=stages)
     row_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "res_out_ptr")}
     for k in (1024, 2048, 3072):
         block_n, block_k, warps = gemv.row_config(4096, k)
@@ -363,11 +359,12 @@ def test_elementwise_kernels_compile_for_hopper(compiled_elsewhere):
             _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"eps": "fp32"},
                                 dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=True, GATED=gated, NORM=normed,
                                      ADD=add, PDL=pdl), num_warps=warps, launch_pdl=pdl)
-    for scale, group in ((1, 1), (2, 128)):  # fp8 weights, 8B's qkv after its norm and residual add
-        block_n, block_k, warps = gemv.row_config(6144, 4096)
+    for scale, group, shared in ((1, 1, False), (2, 128, False), (2, 128, True)):  # fp8, 8B's qkv after its norm
+        block_n, block_k, warps = gemv.row_config(6144, 4096)  # and residual add
         _compile_for_hopper(gemv._gemv_row_kernel, row_ptrs | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
                             dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GATED=False, NORM=True, ADD=True,
-                                 PDL=True, SCALE=scale, GROUP=group), num_warps=warps, launch_pdl=True)
+                                 PDL=True, SCALE=scale, GROUP=group, SHARED=shared), num_warps=warps,
+                            launch_pdl=True)
     for draw, keyed in ((False, False), (True, False), (True, True)):
         for split in (False, True):
             _compile_for_hopper(race._race_kernel, {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "noise_ptr": "*fp32",
