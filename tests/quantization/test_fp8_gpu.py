@@ -218,6 +218,8 @@ def test_engine_hands_cublaslt_block_scales(tmp_path):
                 layers = [m for m in llm.executor.runner.model.modules()
                           if isinstance(m, LinearBase) and m.quant is not None]
                 assert layers and all((m.quant.block_scale is not None) == cublaslt for m in layers)
+                # (every part 128-row aligned: the one-row kernels scale x, once per program's rows)
+                assert all(m.quant.shared_rows == 128 for m in layers)
                 runs.append([o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)])
     finally:
         fp8_gemm._BLOCKWISE.clear()
