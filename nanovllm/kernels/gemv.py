@@ -384,17 +384,15 @@ def gemv_normed(rows: "NormedRows", weight: torch.Tensor, bias: torch.Tensor | N
     return _general(rows.x, weight, bias, config, normed=rows, gated_out=gated_out)
 
 
-def _scale_args(scale: "WeightScale | None", y: torch.Tensor, shared: bool,
-                row_block_k: int | None = None) -> tuple:
-    """(s_ptr, stride_s, SCALE, GROUP, SHARED) kernel arguments for `scale`; shared: scale x (one row, each
-    program's rows sharing their scales). The one-row kernel (row_block_k: its BLOCK_K, the whole row) takes a
-    group no wider than that (one group: the row); the general kernel the group itself."""
+def _scale_args(scale: "WeightScale | None", y: torch.Tensor, row_block_k: int | None = None) -> tuple:
+    """(s_ptr, stride_s, SCALE, GROUP) kernel arguments for `scale`. The one-row kernel (row_block_k: its BLOCK_K,
+    the whole row) takes a group no wider than that (one group: the row); the general kernel the group itself."""
     if scale is None:
-        return y, 0, 0, 1, False
+        return y, 0, 0, 1
     if scale.group is None:
-        return scale.scales, 0, 1, 1, False
+        return scale.scales, 0, 1, 1
     group = scale.group if row_block_k is None else min(scale.group, row_block_k)
-    return scale.scales, scale.scales.stride(0), 2, group, shared
+    return scale.scales, scale.scales.stride(0), 2, group
 
 
 def _shares(scale: "WeightScale | None", m: int, block_n: int) -> bool:
@@ -409,12 +407,12 @@ def _row(x, weight, bias, pdl=None, gated=False, norm=None, residual=None, scale
     res_out = torch.empty_like(residual) if residual is not None else y
     residual = residual.contiguous() if residual is not None else x
     block_n, block_k, warps = row_config(n, k)
-    s_ptr, stride_s, scaled, group, shared = _scale_args(scale, y, _shares(scale, 1, block_n), block_k)
+    s_ptr, stride_s, scaled, group = _scale_args(scale, y, block_k)
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, residual, norm[0] if norm is not None else weight,
         res_out, s_ptr, n, k, weight.stride(0), stride_s, norm[1] if norm is not None else 0.0, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD=res_out is not y,
-        PDL=pdl, SCALE=scaled, GROUP=group, SHARED=shared, num_warps=warps, **pdl_launch(pdl))
+        PDL=pdl, SCALE=scaled, GROUP=group, SHARED=_shares(scale, 1, block_n), num_warps=warps, **pdl_launch(pdl))
     return (y, res_out) if res_out is not y else y
 
 
@@ -448,7 +446,7 @@ def _general(x, weight, bias, config=None, add_norm=None, normed=None, gated_out
         sumsq = scratch(x.device, "gemv_sumsq", parts * block_m, torch.float32)
     elif normed is not None:
         sumsq, parts, eps = normed.sumsq, normed.parts, normed.eps
-    s_ptr, stride_s, scaled, group, shared = _scale_args(scale, y, shared)
+    s_ptr, stride_s, scaled, group = _scale_args(scale, y)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_per_split, x.stride(0),

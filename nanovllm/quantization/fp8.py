@@ -124,11 +124,11 @@ class Fp8Linear:
         cuBLASLt reads W's scales with their rows padded to 4 blocks, which _scaled_mm's layout cannot express: K
         must be a whole number of 512 columns (PyTorch #166752: silent wrong answers otherwise)."""
         from nanovllm.kernels.fp8_gemm import blockwise_scaled_mm_works
+        from nanovllm.kernels.gemv import shared_rows
         out, inp = weight.shape
         if self.group != 128 or out % 128 or inp % 512 or not blockwise_scaled_mm_works(weight.device):
             return None
-        blocks = scale[::128].contiguous()
-        return blocks if torch.equal(blocks.repeat_interleave(128, 0), scale) else None
+        return scale[::128].contiguous() if shared_rows(scale) == 128 else None
 
     # ---- the product --------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
