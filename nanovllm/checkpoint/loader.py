@@ -227,9 +227,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                             f"{type(tensor).__name__})")
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
-        if aliases:  # another name for one of our modules, by whole segments
-            name = ".".join(aliases.get(segment, segment) for segment in name.split("."))
-        pname, shard_id = route_expert_weight(name, experts) or route_weight(name, packed)
+        ours = ".".join(aliases.get(segment, segment) for segment in name.split(".")) if aliases else name
+        pname, shard_id = route_expert_weight(ours, experts) or route_weight(ours, packed)
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[pname]

@@ -253,27 +253,47 @@ def quantize_model(model: nn.Module, config: QuantConfig):
     names = checkpoint_names(model)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
-            if _quantizes_all(config, name, names.get(name, [name])):
+            if _quantizes_all(config, name, [_aliased(model, source) for source in names.get(name, [name])]):
                 module.quant = Fp8Linear(config)
                 module.quant.create_weights(module, name)
         elif isinstance(module, StackedExperts) and _quantizes_all(
-                config, name, [f"{name}.{e}.{p}" for e in range(module.num_experts)
-                               for p in ("gate_proj", "up_proj", "down_proj")]):
+                config, name, _expert_sources(model, name, module.num_experts)):
             module.quant = Fp8Experts(config)
             module.quant.create_weights(module, name)
     allocate_deferred(model)  # the weights left 16-bit (a model built under deferred_weights)
 
 
-def _quantizes_all(config: QuantConfig, name: str, sources: list[str]) -> bool:
-    """Whether the config quantizes the checkpoint modules packed into our layer `name`: all, or none. ValueError
-    when its ignore list names only some (one layer holds one dtype)."""
-    quantized = [config.quantizes(source) for source in sources]
-    if all(quantized) or not any(quantized):
-        return quantized[0]
-    ignored = [source for source, q in zip(sources, quantized) if not q]
-    raise ValueError(f"the quantization_config's ignore list leaves {', '.join(ignored[:4])} unquantized but not the "
-                     f"rest of {name}, which nanovllm holds as one layer ({len(sources)} checkpoint modules): ignore "
-                     "all of them or none")
+def _quantizes_all(config: QuantConfig, name: str, sources: list[list[str]]) -> bool:
+    """Whether the config quantizes the checkpoint modules packed into our layer `name` (each given by every name a
+    checkpoint may use for it): all, or none. ValueError when its ignore list names only some (one layer holds one
+    dtype)."""
+    ignored = [next((n for n in names if not config.quantizes(n)), None) for names in sources]
+    if all(n is None for n in ignored) or None not in ignored:
+        return ignored[0] is None
+    raise ValueError(f"the quantization_config's ignore list leaves {', '.join([n for n in ignored if n][:4])} "
+                     f"unquantized but not the rest of {name}, which nanovllm holds as one layer ({len(sources)} "
+                     "checkpoint modules): ignore all of them or none")
+
+
+def _aliased(model: nn.Module, name: str) -> list[str]:
+    """`name` (one of our module paths) and the other paths a checkpoint may give it (Mixtral's block_sparse_moe for
+    our mlp: the model's module_aliases read backwards)."""
+    names = [name]
+    for theirs, ours in getattr(model, "module_aliases", {}).items():
+        segments = name.split(".")
+        if ours in segments:
+            names.append(".".join(theirs if s == ours else s for s in segments))
+    return names
+
+
+def _expert_sources(model: nn.Module, name: str, num_experts: int) -> list[list[str]]:
+    """Every checkpoint module stacked into the experts `name`, one expert's projection each, by every name a
+    checkpoint may give it (Qwen3-MoE's mlp.experts.<e>.gate_proj, Mixtral's block_sparse_moe.experts.<e>.w1)."""
+    projections: dict[tuple, list[str]] = {}  # (stacked parameter, shard) -> the checkpoints' names for it
+    for proj, target in getattr(model, "expert_weights_mapping", {}).items():
+        projections.setdefault(target, []).append(proj)
+    return [[f"{prefix}.{e}.{proj}" for prefix in _aliased(model, name) for proj in projs]
+            for e in range(num_experts) for projs in projections.values()]
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, list[str]]:

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "w1", "w2", "w3")  # (Mixtral's experts)
 
 
 def _blockwise(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -266,6 +266,39 @@ def test_online_fp8_quantizes_moe_experts_per_row(tmp_path):
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
+@pytest.mark.parametrize("fmt,ignore", [("qwen", [f"model.layers.{i}.block_sparse_moe" for i in range(2)]),
+                                        ("compressed-tensors", ["lm_head", r"re:.*block_sparse_moe\.experts"])])
+def test_mixtral_fp8_checkpoints_and_their_ignore_lists(tmp_path, fmt, ignore):
+    """Mixtral in fp8 (experts stored as block_sparse_moe.experts.<e>.w1/w2/w3, our mlp.experts): transformers'
+    tokens on the dequantized weights, and again with the experts left 32-bit by an ignore list naming them as the
+    checkpoint does; an ignore list naming one expert's w2 alone is refused, naming it, and so are 32-bit experts
+    the config quantizes, named as the checkpoint names them."""
+    mix = make_checkpoint(tmp_path / "mix", "mixtral", tie=False, num_local_experts=4, num_experts_per_tok=2,
+                          hidden=256, head_dim=64, seed=5)
+    fp8, reference = make_fp8(mix, tmp_path / "fp8", fmt, tmp_path / "reference")
+    prompts = prompts_of(7, [5, 29])
+    expected = [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    plain = load_file(os.path.join(reference, "model.safetensors"))
+    experts = [name for name in load_file(os.path.join(fp8, "model.safetensors")) if ".experts." in name]
+    edit_tensors(fp8, drop=tuple(experts), replace={n: plain[n] for n in experts if n.endswith(".weight")})
+    key = "modules_to_not_convert" if fmt == "qwen" else "ignore"
+    config = json.load(open(os.path.join(fp8, "config.json")))["quantization_config"]
+    edit_config(fp8, quantization_config={**config, key: ignore})
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    edit_config(fp8, quantization_config={**config, key: ["model.layers.1.block_sparse_moe.experts.3.w2"]})
+    with pytest.raises(ValueError, match=r"leaves model.layers.1.block_sparse_moe.experts.3.w2 unquantized but not "
+                                         r"the rest of model.layers.1.mlp.experts, .*\(12 checkpoint modules\)"):
+        LLM(fp8)
+    edit_config(fp8, quantization_config=config)  # 32-bit experts the config quantizes: named as the checkpoint does
+    expert = r"model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w\d\.weight"
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{expert}'"
+                                         r": is torch.float32 but this layer's weight is float8_e4m3fn"):
+        LLM(fp8)
+
+
 # ---- the CUDA kernels, through Triton's interpreter (tests/quantization/test_fp8_gpu.py compiles them) ----------
 
 def _fp8_weight(n: int, k: int, group: int | None):
