@@ -80,10 +80,18 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
     return os.fspath(path)
 
 
-@functools.lru_cache(maxsize=8)
-def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_hf_model(path: str):
+    """A new transformers float32 model of a checkpoint directory (hf_model: a cached one, not to be changed). A
+    soft-capped model (Gemma 2) runs transformers' eager attention: some releases' default sdpa path drops the
+    soft-cap without a word (5.17: other tokens from the 3rd of a continuation in test_sliding_window.py), later
+    ones refuse it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    soft_capped = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) is not None
+    kwargs = {"attn_implementation": "eager"} if soft_capped else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+hf_model = functools.lru_cache(maxsize=8)(load_hf_model)
 
 
 @functools.lru_cache(maxsize=4)

@@ -34,9 +34,9 @@ def edit_config(path: str, **changes) -> str:
 @functools.lru_cache(maxsize=8)
 def _peft_model(base: str, adapter: str):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    return PeftModel.from_pretrained(model, adapter).eval()
+
+    from tests.tiny_models import load_hf_model
+    return PeftModel.from_pretrained(load_hf_model(base), adapter).eval()  # (PEFT changes the model it is given)
 
 
 def peft_greedy(base: str, adapter: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

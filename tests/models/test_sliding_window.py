@@ -8,7 +8,7 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
 
 WINDOW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -56,6 +56,19 @@ def test_the_window_changes_these_models_tokens(model, tmp_path):
     assert len(set(windowed)) > 4
 
 
+def test_the_reference_applies_gemma2s_attention_soft_cap(tmp_path):
+    """transformers' tokens for Gemma 2 change without its attention soft-cap: the reference applies it (transformers
+    5.17's default sdpa attention dropped it, so the GPU tests compared the engine with an uncapped model)."""
+    import json
+    import shutil
+    model = make_checkpoint(tmp_path / "gemma2", seed=7, **MODELS["gemma2"])
+    uncapped = shutil.copytree(model, tmp_path / "uncapped")
+    config = json.load(open(uncapped / "config.json"))
+    json.dump({**config, "attn_logit_softcapping": None}, open(uncapped / "config.json", "w"))
+    prompt = prompts(2, [64])[0] + prompts(3, [10])[0]
+    assert hf_greedy(model, prompt, GREEDY.max_tokens) != hf_greedy(str(uncapped), prompt, GREEDY.max_tokens)
+
+
 def test_windowed_models_match_transformers(model):
     with LLM(model, kvcache_block_size=16, max_model_len=256) as llm:
         check(llm, model, prompts(1, [3, 40, 97]))
@@ -84,10 +97,9 @@ def test_prompt_logprobs_match_transformers(model):
     # every prompt position's logprob (each query's own window, soft-caps and the final cap) against transformers'
     # forward, whole and in 24-token chunks
     import torch
-    from transformers import AutoModelForCausalLM
     prompt = prompts(21, [70])[0]
     with torch.no_grad():
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        hf = hf_model(model)
         logprobs = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     want = torch.tensor([logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
     for chunk in (16384, 24):
