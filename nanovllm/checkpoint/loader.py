@@ -185,14 +185,19 @@ def route_expert_weight(name: str, experts: dict) -> tuple[str, tuple[int, int]]
     return ".".join(parent + [container, dst if leaf == "weight" else f"{dst}_{leaf}"]), (int(expert), shard)
 
 
-def _expert_source(pname: str, experts: dict, expert: int, shard: int) -> str:
+def _expert_source(pname: str, experts: dict, expert: int, shard: int,
+                   spelling: tuple[str, set[str]] | None = None) -> str:
     """The checkpoint tensor routed into shard (expert, shard) of stacked parameter `pname` (route_expert_weight's
-    inverse), for errors."""
+    inverse), for errors; spelled as the checkpoint's other experts are where `spelling` (their module path, the
+    projection names they use) is known (Mixtral's block_sparse_moe.experts and w1/w2/w3)."""
     module, _, dst = pname.rpartition(".")
-    for proj, (stacked, s) in experts.items():
-        if s == shard and (dst == stacked or dst.startswith(stacked + "_")):
-            return f"{module}.{expert}.{proj}.{dst[len(stacked) + 1:] or 'weight'}"
-    return f"{pname} (expert {expert}, shard {shard})"
+    theirs, seen = spelling or (module, set())
+    fits = [proj for proj, (stacked, s) in experts.items()
+            if s == shard and (dst == stacked or dst.startswith(stacked + "_"))]
+    if not fits:
+        return f"{pname} (expert {expert}, shard {shard})"
+    proj = next((p for p in fits if p in seen), fits[0])
+    return f"{theirs}.{expert}.{proj}.{dst[len(experts[proj][0]) + 1:] or 'weight'}"
 
 
 def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
@@ -221,6 +226,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
     loaded = set()  # parameter names, and (parameter name, shard id) for packed ones
+    spellings: dict[str, tuple[str, set[str]]] = {}  # stacked experts -> (the checkpoint's path, projection names)
     for name, tensor in weights:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weights must be (name, tensor) pairs with a str name, got ({name!r:.60}, "
@@ -228,7 +234,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
         ours = ".".join(aliases.get(segment, segment) for segment in name.split(".")) if aliases else name
-        pname, shard_id = route_expert_weight(ours, experts) or route_weight(ours, packed)
+        routed = route_expert_weight(ours, experts)
+        if routed is not None:  # (how this checkpoint spells the experts, for naming a missing one)
+            theirs, proj = name.rsplit(".", 3)[0], name.rsplit(".", 2)[1]
+            spellings.setdefault(routed[0].rpartition(".")[0], (theirs, set()))[1].add(proj)
+        pname, shard_id = routed or route_weight(ours, packed)
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[pname]
@@ -253,7 +263,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         shard_ids = getattr(param, "shard_ids", None)  # stacked experts: loaded whole, or every expert's shards
         if shard_ids is not None:
             if pname not in loaded:
-                missing += [_expert_source(pname, experts, e, s) for e, s in shard_ids if (pname, (e, s)) not in loaded]
+                spelling = spellings.get(pname.rpartition(".")[0])
+                missing += [_expert_source(pname, experts, e, s, spelling) for e, s in shard_ids
+                            if (pname, (e, s)) not in loaded]
         elif sources:
             missing += [name for name, shard_id in sources if (pname, shard_id) not in loaded]
         elif pname not in loaded:

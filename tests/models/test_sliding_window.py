@@ -8,7 +8,7 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, hf_model, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_checkpoint
 
 WINDOW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -67,6 +67,7 @@ def test_the_reference_applies_gemma2s_attention_soft_cap(tmp_path):
     json.dump({**config, "attn_logit_softcapping": None}, open(uncapped / "config.json", "w"))
     prompt = prompts(2, [64])[0] + prompts(3, [10])[0]
     assert hf_greedy(model, prompt, GREEDY.max_tokens) != hf_greedy(str(uncapped), prompt, GREEDY.max_tokens)
+    assert load_hf_model(model).config._attn_implementation == "eager"
 
 
 def test_windowed_models_match_transformers(model):

@@ -6,6 +6,7 @@ or tensor nanovllm cannot take is refused, naming it."""
 import json
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -266,13 +267,14 @@ def test_online_fp8_quantizes_moe_experts_per_row(tmp_path):
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
-@pytest.mark.parametrize("fmt,ignore", [("qwen", [f"model.layers.{i}.block_sparse_moe" for i in range(2)]),
-                                        ("compressed-tensors", ["lm_head", r"re:.*block_sparse_moe\.experts"])])
-def test_mixtral_fp8_checkpoints_and_their_ignore_lists(tmp_path, fmt, ignore):
+@pytest.mark.parametrize("fmt,ignore,layers", [
+    ("qwen", [f"model.layers.{i}.block_sparse_moe" for i in range(2)], (0, 1)),
+    ("compressed-tensors", ["lm_head", r"re:.*layers\.0\.block_sparse_moe\.experts"], (0,))])  # (layer 1's: fp8)
+def test_mixtral_fp8_checkpoints_and_their_ignore_lists(tmp_path, fmt, ignore, layers):
     """Mixtral in fp8 (experts stored as block_sparse_moe.experts.<e>.w1/w2/w3, our mlp.experts): transformers'
-    tokens on the dequantized weights, and again with the experts left 32-bit by an ignore list naming them as the
-    checkpoint does; an ignore list naming one expert's w2 alone is refused, naming it, and so are 32-bit experts
-    the config quantizes, named as the checkpoint names them."""
+    tokens on the dequantized weights, and again with experts left 32-bit (both layers', or layer 0's) by an ignore
+    list naming them as the checkpoint does; an ignore list naming one expert's w2 alone is refused, naming it;
+    32-bit experts the config quantizes and a missing expert are refused, named as the checkpoint names them."""
     mix = make_checkpoint(tmp_path / "mix", "mixtral", tie=False, num_local_experts=4, num_experts_per_tok=2,
                           hidden=256, head_dim=64, seed=5)
     fp8, reference = make_fp8(mix, tmp_path / "fp8", fmt, tmp_path / "reference")
@@ -281,7 +283,8 @@ def test_mixtral_fp8_checkpoints_and_their_ignore_lists(tmp_path, fmt, ignore):
     with LLM(fp8, kvcache_block_size=16) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     plain = load_file(os.path.join(reference, "model.safetensors"))
-    experts = [name for name in load_file(os.path.join(fp8, "model.safetensors")) if ".experts." in name]
+    experts = [name for name in load_file(os.path.join(fp8, "model.safetensors"))
+               if any(f"layers.{i}.block_sparse_moe.experts." in name for i in layers)]
     edit_tensors(fp8, drop=tuple(experts), replace={n: plain[n] for n in experts if n.endswith(".weight")})
     key = "modules_to_not_convert" if fmt == "qwen" else "ignore"
     config = json.load(open(os.path.join(fp8, "config.json")))["quantization_config"]
@@ -296,6 +299,11 @@ def test_mixtral_fp8_checkpoints_and_their_ignore_lists(tmp_path, fmt, ignore):
     expert = r"model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w\d\.weight"
     with pytest.raises(ValueError, match=f"checkpoint tensor '{expert}'"
                                          r": is torch.float32 but this layer's weight is float8_e4m3fn"):
+        LLM(fp8)
+    edit_config(fp8, quantization_config={**config, key: ignore})  # a missing expert: named as the checkpoint does
+    missing = f"model.layers.{layers[-1]}.block_sparse_moe.experts.3.w3.weight"
+    edit_tensors(fp8, drop=(missing,))
+    with pytest.raises(ValueError, match=f"lacks weights for: {re.escape(missing)}"):
         LLM(fp8)
 
 
