@@ -230,16 +230,18 @@ def test_engine_hands_cublaslt_block_scales(tmp_path):
 
 
 @pytest.mark.parametrize("arch,fmt", [("qwen3", "qwen"), ("qwen3", "compressed-tensors"), ("qwen3", "online"),
-                                      ("qwen3_moe", "qwen"), ("qwen3_moe", "online")])
+                                      ("qwen3_moe", "qwen"), ("qwen3_moe", "online"),
+                                      ("mixtral", "compressed-tensors")])
 def test_engine_on_fp8_weights(arch, fmt, tmp_path):
     """Greedy tokens in bf16 on CUDA: fp8 weights (activations quantized on the fly) against the same weights
     dequantized. This tiny random model's logits are close together, so activation rounding moves many of them:
     on CPU, transformers in float32 with the same per-group activation rounding agrees on 26 of these 64 tokens
     (4 of 4 first tokens) for the block format. A broken path would agree by chance (1 in 400). qwen3_moe: the
-    experts in fp8 too, through the fused MoE kernel."""
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1)
+    experts in fp8 too, through the fused MoE kernel; mixtral: the same, its experts named block_sparse_moe.w1/w2/w3."""
+    moe = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1),
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
     base = make_checkpoint(tmp_path / "base", arch, tie=True, num_kv_heads=2, num_heads=4, head_dim=64,
-                           hidden=256, intermediate_size=512, seed=3, **(moe if arch == "qwen3_moe" else {}))
+                           hidden=256, intermediate_size=512, seed=3, **moe.get(arch, {}))
     fp8, reference = make_fp8(base, tmp_path / "fp8", "compressed-tensors" if fmt == "online" else fmt,
                               tmp_path / "reference")
     model, options = (base, {"quantization": "fp8"}) if fmt == "online" else (fp8, {})
