@@ -132,14 +132,39 @@ def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_safetensors(resolve_checkpoint(model))
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint directory: where it has a model.safetensors.index.json, from the files it maps,
+    each mapped tensor from its mapped file (as transformers and vLLM read it: stale shards of an earlier save, or
+    Mistral's consolidated.safetensors, may sit beside them); else from every *.safetensors. ValueError for a tensor
+    in two files that no index tells apart, or an index naming a file that is not there."""
     from safetensors import safe_open
-    files = sorted(glob(os.path.join(model, "*.safetensors")))
+    index = os.path.join(model, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = [os.path.join(model, name) for name in sorted(set(weight_map.values()))]
+        absent = [os.path.basename(file) for file in files if not os.path.isfile(file)]
+        if absent:
+            raise ValueError(f"{index} maps tensors to {', '.join(absent[:3])}, not in {model!r}: the checkpoint is "
+                             "incomplete (download it again)")
+    else:
+        files, weight_map = sorted(glob(os.path.join(model, "*.safetensors"))), {}
     if not files:
         raise ValueError(f"no *.safetensors files in {model!r}")
+    seen: dict[str, str] = {}
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
+                if weight_map.get(name, os.path.basename(file)) != os.path.basename(file):
+                    continue  # (the index reads this tensor from another of its files)
+                if name in seen:
+                    raise ValueError(f"checkpoint tensor {name!r} is in both {seen[name]} and "
+                                     f"{os.path.basename(file)} in {model!r}: remove the stale file (or add the "
+                                     f"checkpoint's {INDEX}, which names the file each tensor is read from)")
+                seen[name] = os.path.basename(file)
                 yield name, f.get_tensor(name)
 
 

@@ -196,6 +196,44 @@ def test_checkpoint_weight_of_the_wrong_shape(qwen3_tied, checkpoint_tensors, tm
         LLM(path, **SMALL)
 
 
+def _shards(tensors: dict, folder, count: int) -> dict:
+    """Save `tensors` as `count` transformers-style shards in `folder`; {name: file}."""
+    from safetensors.torch import save_file
+    names, weight_map = sorted(tensors), {}
+    for i in range(count):
+        file = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        save_file({k: tensors[k] for k in names[i::count]}, os.path.join(folder, file))
+        weight_map.update({k: file for k in names[i::count]})
+    return weight_map
+
+
+def test_sharded_checkpoints_follow_their_index(qwen3_tied, qwen3_b, checkpoint_tensors, tmp_path):
+    """Shards are read as model.safetensors.index.json maps them: an earlier save's shards left in the folder (other
+    weights, the same names) were loaded too, the last file read winning each name, so the engine silently ran a mix
+    of both models. Without an index a tensor stored twice is refused, and an index naming an absent file too."""
+    import json
+
+    from safetensors.torch import load_file
+    folder = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, folder)
+    os.remove(folder / "model.safetensors")
+    _shards(load_file(os.path.join(qwen3_b, "model.safetensors")), folder, 3)  # the stale save, read last by name
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": _shards(checkpoint_tensors, folder, 2)}))
+    with LLM(str(folder), **SMALL) as llm:
+        _still_exact(llm, qwen3_tied)
+    os.remove(folder / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match="is in both model-00001-of-0000[23].safetensors and model-0000"):
+        LLM(str(folder), **SMALL)
+    for file in os.listdir(folder):
+        if file.endswith("of-00003.safetensors"):
+            os.remove(folder / file)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00003-of-00003.safetensors"}}))
+    with pytest.raises(ValueError, match="maps tensors to model-00003-of-00003.safetensors, not in"):
+        LLM(str(folder), **SMALL)
+
+
 def test_shutdown(qwen3_tied):
     # a fixed cache (beside the module's engine on a GPU)
     with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
