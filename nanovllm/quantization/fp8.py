@@ -9,11 +9,11 @@ groups too, so its per-rank input width must be a whole number of groups. With q
 the model is built with its linear and expert weights deferred (layers/linear.py's deferred_weights), so no 16-bit
 copy of the quantized weights is ever allocated whole.
 
-On CPU the weights are dequantized to float32 once loaded (the engine then runs the plain layer: the format logic is
-what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
-quantized on the fly (per token, or per token and group for block scales) for an fp8 GEMM, or left 16-bit against
-the fp8 weight for small batches and weight-only checkpoints. MoE experts (Fp8Experts) keep their stacked weights in
-fp8 the same way, scales [experts, rows(, groups)], read by the fused MoE kernel against 16-bit activations."""
+On CPU the weights are dequantized to the model's dtype once loaded (the engine then runs the plain layer: the format
+logic is what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
+quantized on the fly (per token, or per token and group for block scales) for an fp8 GEMM, or left 16-bit against the
+fp8 weight for small batches and weight-only checkpoints. MoE experts (Fp8Experts) keep their stacked weights in fp8 the
+same way, scales [experts, rows(, groups)], read by the fused MoE kernel against 16-bit activations."""
 
 import torch
 from torch import nn
@@ -99,16 +99,17 @@ class Fp8Linear:
             layer.weight_loader(param, loaded, shard_id)
 
     def finish(self, layer: nn.Module) -> "Fp8Linear | None":
-        """After loading: the method the layer keeps (None: a plain layer now). CPU: the weights dequantized to
-        float32 (online: rounded through fp8 per channel, so the engine computes what fp8 weights give)."""
+        """After loading: the method the layer keeps (None: a plain layer now). CPU: the weights dequantized to the
+        model's dtype (online: rounded through fp8 per channel, so the engine computes what fp8 weights give)."""
         weight = layer.weight.data
         if self.config.online:
             scale = self.scale
         else:
             scale = getattr(layer, self.scale_name).data
             delattr(layer, self.scale_name)
-        if not weight.is_cuda:
-            layer.weight = nn.Parameter(dequantize(weight, scale, self.group), requires_grad=False)
+        if not weight.is_cuda:  # (in the model's dtype, which finish_loading runs under, as its other layers are)
+            layer.weight = nn.Parameter(dequantize(weight, scale, self.group).to(torch.get_default_dtype()),
+                                        requires_grad=False)
             layer.weight.weight_loader = layer.weight_loader
             return None
         layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -225,7 +226,7 @@ class Fp8Experts:
         getattr(experts, part).weight_loader(param, loaded, shard_id)
 
     def finish(self, experts: nn.Module) -> "Fp8Experts | None":
-        """After loading: the method the experts keep (None on CPU, where they are dequantized to float32)."""
+        """After loading: the method the experts keep (None on CPU, where they are dequantized to the model's dtype)."""
         scales = []
         for part in self.PARTS:
             if self.config.online:
@@ -234,7 +235,7 @@ class Fp8Experts:
                 weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
                 delattr(experts, f"{part}_{self.scale_name}")
             if not weight.is_cuda:
-                weight = dequantize(weight, scale, self.group)
+                weight = dequantize(weight, scale, self.group).to(torch.get_default_dtype())
             new = nn.Parameter(weight, requires_grad=False)
             new.weight_loader, new.shard_ids = getattr(experts, part).weight_loader, getattr(experts, part).shard_ids
             setattr(experts, part, new)

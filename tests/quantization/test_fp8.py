@@ -71,6 +71,32 @@ def test_online_fp8_quantizes_per_channel(base, tmp_path):
         assert out["token_ids"] == hf_greedy(reference, prompt, 16)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_weights_on_cpu_in_16_bits(base, dtype, tmp_path):
+    """On CPU in a 16-bit dtype the fp8 weights (a checkpoint's, dense and MoE experts, or quantization="fp8") are
+    dequantized to that dtype: they were dequantized to float32 whatever the dtype, and the start-up failed in
+    oneDNN ("could not create a primitive descriptor") where 16-bit activations met them. The tokens are those of
+    the dequantized weights run in the same dtype (online, the checkpoint's weights rounded to it first, as the
+    online quantizer reads them)."""
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                          head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=6)
+    prompts = prompts_of(3, [5, 40])
+    opts = dict(device="cpu", dtype=dtype, kvcache_block_size=16)
+    for source in (base, moe):
+        name = os.path.basename(source)
+        fp8, reference = make_fp8(source, tmp_path / f"{name}-fp8", "qwen", tmp_path / f"{name}-ref")
+        rounded = shutil.copytree(source, tmp_path / f"{name}-rounded")
+        edit_tensors(rounded, replace={k: v.to(getattr(torch, dtype)).float()
+                                       for k, v in load_file(os.path.join(source, "model.safetensors")).items()})
+        _, channel = make_fp8(rounded, tmp_path / f"{name}-unused", "compressed-tensors", tmp_path / f"{name}-ch")
+        for model, quantization, expected in ((fp8, None, reference), (source, "fp8", channel)):
+            runs = []
+            for path, q in ((model, quantization), (expected, None)):
+                with LLM(path, quantization=q, **opts) as llm:
+                    runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+            assert runs[0] == runs[1], (os.path.basename(model), quantization)
+
+
 def test_the_bundled_model_keeps_its_answers_in_fp8(bundled):
     questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?",
                                                             "What is 2 + 3?", "Name a primary color.")]
