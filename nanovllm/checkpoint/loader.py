@@ -238,6 +238,15 @@ def _packed_sources(pname: str, packed: dict) -> list[tuple[str, object]]:
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# what an fp8 scale tensor that no layer expects says about config.json's quantization_config
+_SCALE_HINTS = {
+    "weight_scale_inv": ": block scales (Qwen's and transformers' FP8 format); quantization_config needs its "
+                        "weight_block_size, e.g. [128, 128] (transformers assumes that where it is absent; vLLM and "
+                        "nanovllm read no weight_block_size as one scale per tensor, stored as weight_scale)",
+    "weight_scale": ": fp8 weight scales, which this quantization_config does not name (Qwen's block format stores "
+                    "weight_scale_inv; a module its ignore list names has none)",
+    "input_scale": ": a static activation scale; nanovllm quantizes activations dynamically only",
+}
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
@@ -265,7 +274,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             spellings.setdefault(routed[0].rpartition(".")[0], (theirs, set()))[1].add(proj)
         pname, shard_id = routed or route_weight(ours, packed)
         if pname not in params:
-            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}"
+                             f"{_SCALE_HINTS.get(name.rpartition('.')[2], '')}")
         param = params[pname]
         if tensor.dtype in _FP8 and param.dtype not in _FP8:
             raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but the model's parameter is "

@@ -22,6 +22,7 @@ class QuantConfig:
     scale_name: str = "weight_scale"  # the checkpoint's name for the scales (Qwen's block format: weight_scale_inv)
     ignore: tuple[str, ...] = field(default=())
     activations: bool = True  # dynamic fp8 activations (False: 16-bit activations against fp8 weights)
+    transformers_ignore: tuple[str, ...] = field(default=())  # modules_to_not_convert, also read as transformers does
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear layer `module_name` (a checkpoint module path) is quantized."""
@@ -31,7 +32,18 @@ class QuantConfig:
                     return False
             elif f".{pattern}." in f".{module_name}.":  # the module, or one it is part of, by whole name segments
                 return False
-        return True
+        return not any(_transformers_skips(pattern, module_name) for pattern in self.transformers_ignore)
+
+
+def _transformers_skips(pattern: str, name: str) -> bool:
+    """transformers' reading of a modules_to_not_convert entry (should_convert_module): a regex matched from the start
+    of the name up to a module boundary ("model.layers.*.self_attn"), or a suffix of the name."""
+    try:
+        if re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name):
+            return True
+    except re.error:  # (not a regex: a plain name)
+        pass
+    return name.endswith(pattern)
 
 
 def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
@@ -66,17 +78,19 @@ def _fp8(spec: dict) -> QuantConfig:
     where = "quantization_config (quant_method 'fp8')"
     if spec.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}: fmt {spec['fmt']!r} is not supported; only 'e4m3'")
-    if spec.get("activation_scheme", "dynamic") != "dynamic":
+    if str(spec.get("activation_scheme", "dynamic")).lower() != "dynamic":  # (transformers lowercases it)
         raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported (static "
                          "activation scales); only 'dynamic'")
     block = spec.get("weight_block_size")
     ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
+    hf_ignore = tuple(spec.get("modules_to_not_convert") or ())
     if block is None:  # a scale per tensor
-        return QuantConfig("fp8", ignore=ignore)
+        return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore)
     if not _block_ok(block):
         raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two, the columns' at "
                          "least 32 ([128, 128] in Qwen's FP8 checkpoints)")
-    return QuantConfig("fp8", block=(block[0], block[1]), scale_name="weight_scale_inv", ignore=ignore)
+    return QuantConfig("fp8", block=(block[0], block[1]), scale_name="weight_scale_inv", ignore=ignore,
+                       transformers_ignore=hf_ignore)
 
 
 def _block_ok(block) -> bool:

@@ -195,6 +195,8 @@ def test_what_the_configs_say_about_activations():
     assert quant_config(SimpleNamespace(quantization_config=CT_CONFIG), None).activations
     assert not quant_config(SimpleNamespace(quantization_config=weight_only), None).activations
     assert quant_config(SimpleNamespace(quantization_config=QWEN_CONFIG), None).block == (128, 128)
+    capitalised = {**QWEN_CONFIG, "activation_scheme": "Dynamic"}  # (transformers lowercases it)
+    assert quant_config(SimpleNamespace(quantization_config=capitalised), None).activations
     online = quant_config(SimpleNamespace(), "fp8")
     assert online.online and online.activations and online.block == (1, None)
 
@@ -235,6 +237,12 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
     with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model's parameter is torch.float32: an fp8 "
                                          "checkpoint needs its quantization_config"):
         LLM(bare)
+    # no weight_block_size: one scale per tensor (weight_scale), as vLLM reads it; transformers assumes 128 x 128
+    blockless = _variant(qwen_fp8, tmp_path / "blockless", quantization_config={
+        k: v for k, v in QWEN_CONFIG.items() if k != "weight_block_size"})
+    with pytest.raises(ValueError, match=r"weight_scale_inv' matches no parameter .*: block scales .*"
+                                         r"quantization_config needs its weight_block_size, e\.g\. \[128, 128\]"):
+        LLM(blockless)
     # quantization="fp8" quantizes 16/32-bit tensors; fp8 ones (scales or not) are refused, not read unscaled
     unscaled = _variant(qwen_fp8, tmp_path / "unscaled", quantization_config=None)
     edit_tensors(unscaled, drop=tuple(n for n in load_file(os.path.join(unscaled, "model.safetensors"))
@@ -407,11 +415,12 @@ def test_block_scaled_fp8_gemm(rows):
     torch.testing.assert_close(y.float(), expected, atol=3e-3, rtol=3e-3)
 
 
-@pytest.mark.parametrize("fmt,ignore", [("qwen", ["model.layers.0.mlp"]),
+@pytest.mark.parametrize("fmt,ignore", [("qwen", ["model.layers.0.mlp"]), ("qwen", ["model.layers.0.mlp.*"]),
                                         ("compressed-tensors", ["lm_head", r"re:.*layers\.0\.mlp"])])
 def test_modules_the_config_leaves_unquantized(base, tmp_path, fmt, ignore):
-    """Layer 0's MLP kept in float32, named as the formats name it: a parent module (transformers'
-    modules_to_not_convert) or a regex matched from the start (compressed-tensors' ignore)."""
+    """Layer 0's MLP kept in float32, named as the formats name it: a parent module or a regex matched from the start
+    up to a module boundary (transformers' modules_to_not_convert; the regex was read as a literal name, so the
+    float32 MLP was refused), or a `re:` regex matched from the start (compressed-tensors' ignore)."""
     from safetensors.torch import load_file
     fp8, reference = make_fp8(base, tmp_path / "fp8", fmt, tmp_path / "reference")
     plain = load_file(os.path.join(reference, "model.safetensors"))
