@@ -44,7 +44,8 @@ def _gemma_flags(config, qk_norm: bool) -> DecoderFlags:
     bias = bool(getattr(config, "attention_bias", False))
     return DecoderFlags(qk_norm=qk_norm, qkv_bias=bias, o_bias=bias, norm_offset=True, sandwich_norms=True,
                         embed_scale=True, gelu=True, query_scale=config.query_pre_attn_scalar ** -0.5,
-                        attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
+                        # (Gemma 3 keeps the field but caps no scores: transformers and vLLM ignore it there)
+                        attn_softcap=None if qk_norm else getattr(config, "attn_logit_softcapping", None) or None,
                         final_softcap=getattr(config, "final_logit_softcapping", None) or None,
                         window_pattern=getattr(config, "sliding_window_pattern", None) or 6 if qk_norm else 2)
 
@@ -113,6 +114,10 @@ REFUSED = {
 
 def _architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
+    if getattr(config, "text_config", None) is not None:  # (a composite config: the text model's fields sit inside)
+        raise ValueError(f"config.json (architectures {archs}) nests a text_config, as a multimodal checkpoint's "
+                         "does: nanovllm runs text-only checkpoints (for Gemma 3: Gemma3ForCausalLM, such as "
+                         "gemma-3-1b-it, or a text-only export of a larger one)")
     for arch in archs:
         if arch in MODEL_FLAGS:
             return arch

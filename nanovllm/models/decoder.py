@@ -74,6 +74,9 @@ def moe_layer(config, layer: int) -> bool:
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def layer_types(config, pattern: int | None = None) -> list[str]:
     """Each layer's attention type, "sliding_attention" or "full_attention": the config's layer_types; else, with a
     window, every `pattern`-th layer global (Gemma's rule in transformers 4's configs) or every layer sliding
@@ -83,6 +86,10 @@ def layer_types(config, pattern: int | None = None) -> list[str]:
     if types is not None:
         if len(types) != n:
             raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"layer_types has {', '.join(map(repr, unknown))}, which nanovllm does not implement; "
+                             f"supported: {', '.join(map(repr, LAYER_TYPES))}")
         return list(types)
     if getattr(config, "sliding_window", None) is None:
         return ["full_attention"] * n
@@ -93,8 +100,9 @@ def layer_windows(config, flags: DecoderFlags) -> list[int | None]:
     """Each layer's sliding window in tokens (a query sees itself and the window - 1 keys before it), or None; all
     None where the family has no windows (flags.windows)."""
     window = getattr(config, "sliding_window", None) if flags.windows else None
-    return [window if t == "sliding_attention" and window else None
-            for t in layer_types(config, flags.window_pattern)]
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"sliding_window {window!r} is not a number of tokens (a positive int; null for none)")
+    return [window if t == "sliding_attention" else None for t in layer_types(config, flags.window_pattern)]
 
 
 @functools.lru_cache
