@@ -132,40 +132,53 @@ def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_safetensors(resolve_checkpoint(model))
 
 
-INDEX = "model.safetensors.index.json"
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
 def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint directory: where it has a model.safetensors.index.json, from the files it maps,
-    each mapped tensor from its mapped file (as transformers and vLLM read it: stale shards of an earlier save, or
-    Mistral's consolidated.safetensors, may sit beside them); else from every *.safetensors. ValueError for a tensor
-    in two files that no index tells apart, or an index naming a file that is not there."""
+    """Every tensor of a checkpoint directory, from the files transformers reads: model.safetensors where there is
+    one (re-saving a sharded model unsharded leaves the old index beside it); else the files
+    model.safetensors.index.json maps, each mapped tensor from its mapped file (stale shards of an earlier save, or
+    Mistral's consolidated.safetensors, may sit beside them); else every *.safetensors. ValueError for an index that
+    maps no tensors, names an absent file or a tensor its file lacks, and for a tensor in two files that no index
+    tells apart."""
     from safetensors import safe_open
-    index = os.path.join(model, INDEX)
-    if os.path.isfile(index):
+    index, weight_map = os.path.join(model, INDEX), {}
+    if os.path.isfile(os.path.join(model, SINGLE)):
+        files = [SINGLE]
+    elif os.path.isfile(index):
         with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        files = [os.path.join(model, name) for name in sorted(set(weight_map.values()))]
-        absent = [os.path.basename(file) for file in files if not os.path.isfile(file)]
+            weight_map = {name: os.path.normpath(file) for name, file in (json.load(f).get("weight_map") or {}).items()}
+        if not weight_map:
+            raise ValueError(f"{index} maps no tensors (its weight_map is empty): restore it from the checkpoint, or "
+                             "remove it to read every *.safetensors file")
+        files = sorted(set(weight_map.values()))
+        absent = [file for file in files if not os.path.isfile(os.path.join(model, file))]
         if absent:
             raise ValueError(f"{index} maps tensors to {', '.join(absent[:3])}, not in {model!r}: the checkpoint is "
                              "incomplete (download it again)")
     else:
-        files, weight_map = sorted(glob(os.path.join(model, "*.safetensors"))), {}
+        files = sorted(os.path.relpath(file, model) for file in glob(os.path.join(model, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model!r}")
     seen: dict[str, str] = {}
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
+        with safe_open(os.path.join(model, file), "pt", "cpu") as f:
             for name in f.keys():
-                if weight_map.get(name, os.path.basename(file)) != os.path.basename(file):
+                if weight_map.get(name, file) != file:
                     continue  # (the index reads this tensor from another of its files)
                 if name in seen:
-                    raise ValueError(f"checkpoint tensor {name!r} is in both {seen[name]} and "
-                                     f"{os.path.basename(file)} in {model!r}: remove the stale file (or add the "
-                                     f"checkpoint's {INDEX}, which names the file each tensor is read from)")
-                seen[name] = os.path.basename(file)
+                    raise ValueError(f"checkpoint tensor {name!r} is in both {seen[name]} and {file} in {model!r}"
+                                     + (f", and {INDEX} names neither for it: restore the index" if weight_map else
+                                        f": remove the stale file (or add the checkpoint's {INDEX}, which names the "
+                                        "file each tensor is read from)"))
+                seen[name] = file
                 yield name, f.get_tensor(name)
+    unread = [name for name in weight_map if name not in seen]
+    if unread:
+        raise ValueError(f"{index} maps {unread[0]!r} to {weight_map[unread[0]]}, which lacks it"
+                         + (f" ({len(unread) - 1} more like it)" if len(unread) > 1 else "")
+                         + ": the checkpoint is incomplete (download it again)")
 
 
 def check_weight_shape(loaded: torch.Tensor, expected) -> None:

@@ -68,9 +68,10 @@ class Fp8Linear:
         """Give the layer an fp8 weight and its scales, loaded through the layer's own loaders (online: its
         checkpoint's 16/32-bit weights quantized per row as they load, one tensor at a time)."""
         out, inp = layer.weight.shape
+        # the model's dtype (built under it): online, weights are rounded to it before quantizing; on CPU, dequantized
+        self.dtype = torch.get_default_dtype()
         layer.weight = nn.Parameter(torch.empty(out, inp, dtype=FP8), requires_grad=False)
         if self.config.online:
-            self.dtype = torch.get_default_dtype()  # (the 16-bit layer's dtype: weights are rounded to it first)
             self.scale = torch.ones(out, dtype=torch.float32)  # (not a checkpoint tensor; dummy weights leave ones)
             layer.weight.weight_loader = (lambda param, loaded, shard_id=None: quantize_into(
                 param, self.scale, layer.placements(param, loaded, shard_id), self.dtype))
@@ -107,9 +108,8 @@ class Fp8Linear:
         else:
             scale = getattr(layer, self.scale_name).data
             delattr(layer, self.scale_name)
-        if not weight.is_cuda:  # (in the model's dtype, which finish_loading runs under, as its other layers are)
-            layer.weight = nn.Parameter(dequantize(weight, scale, self.group).to(torch.get_default_dtype()),
-                                        requires_grad=False)
+        if not weight.is_cuda:
+            layer.weight = nn.Parameter(dequantize(weight, scale, self.group).to(self.dtype), requires_grad=False)
             layer.weight.weight_loader = layer.weight_loader
             return None
         layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -183,8 +183,8 @@ class Fp8Experts:
         self.scale_name = config.scale_name
 
     def create_weights(self, experts: nn.Module, name: str):
+        self.dtype = torch.get_default_dtype()  # (the model's, as Fp8Linear keeps it)
         if self.config.online:  # fp8 weights, filled by quantizing each checkpoint tensor per row as it loads
-            self.dtype = torch.get_default_dtype()
             self.online_scales = {}
             for part in self.PARTS:
                 old = getattr(experts, part)
@@ -235,7 +235,7 @@ class Fp8Experts:
                 weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
                 delattr(experts, f"{part}_{self.scale_name}")
             if not weight.is_cuda:
-                weight = dequantize(weight, scale, self.group).to(torch.get_default_dtype())
+                weight = dequantize(weight, scale, self.group).to(self.dtype)
             new = nn.Parameter(weight, requires_grad=False)
             new.weight_loader, new.shard_ids = getattr(experts, part).weight_loader, getattr(experts, part).shard_ids
             setattr(experts, part, new)

@@ -196,41 +196,56 @@ def test_checkpoint_weight_of_the_wrong_shape(qwen3_tied, checkpoint_tensors, tm
         LLM(path, **SMALL)
 
 
-def _shards(tensors: dict, folder, count: int) -> dict:
-    """Save `tensors` as `count` transformers-style shards in `folder`; {name: file}."""
+def _shards(tensors: dict, folder, count: int, sub: str = "") -> dict:
+    """Save `tensors` as `count` transformers-style shards in `folder` (/`sub`); {name: file}."""
     from safetensors.torch import save_file
     names, weight_map = sorted(tensors), {}
     for i in range(count):
-        file = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        file = os.path.join(sub, f"model-{i + 1:05d}-of-{count:05d}.safetensors")
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
         save_file({k: tensors[k] for k in names[i::count]}, os.path.join(folder, file))
         weight_map.update({k: file for k in names[i::count]})
     return weight_map
 
 
-def test_sharded_checkpoints_follow_their_index(qwen3_tied, qwen3_b, checkpoint_tensors, tmp_path):
-    """Shards are read as model.safetensors.index.json maps them: an earlier save's shards left in the folder (other
-    weights, the same names) were loaded too, the last file read winning each name, so the engine silently ran a mix
-    of both models. Without an index a tensor stored twice is refused, and an index naming an absent file too."""
+def test_sharded_checkpoints_are_read_as_transformers_reads_them(qwen3_tied, qwen3_b, checkpoint_tensors, tmp_path):
+    """The files a checkpoint folder's weights come from: model.safetensors.index.json's map, whatever other shards
+    sit beside them (an earlier save's, with the same names and other weights, must not mix in); model.safetensors
+    alone where it exists (re-saving a sharded model unsharded leaves the old index). A tensor in two files that no
+    index tells apart, an index naming an absent file or a tensor its file lacks, and an empty index are refused."""
     import json
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     folder = tmp_path / "ckpt"
     shutil.copytree(qwen3_tied, folder)
     os.remove(folder / "model.safetensors")
-    _shards(load_file(os.path.join(qwen3_b, "model.safetensors")), folder, 3)  # the stale save, read last by name
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": _shards(checkpoint_tensors, folder, 2)}))
+    _shards(load_file(os.path.join(qwen3_b, "model.safetensors")), folder, 3)  # the earlier save's shards
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": _shards(checkpoint_tensors, folder, 2)}))
     with LLM(str(folder), **SMALL) as llm:
         _still_exact(llm, qwen3_tied)
-    os.remove(folder / "model.safetensors.index.json")
+    os.remove(index)
     with pytest.raises(ValueError, match="is in both model-00001-of-0000[23].safetensors and model-0000"):
         LLM(str(folder), **SMALL)
-    for file in os.listdir(folder):
-        if file.endswith("of-00003.safetensors"):
-            os.remove(folder / file)
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00003-of-00003.safetensors"}}))
-    with pytest.raises(ValueError, match="maps tensors to model-00003-of-00003.safetensors, not in"):
+    # the same weights saved again, unsharded: transformers reads model.safetensors, not the index left beside it
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00009-of-00009.safetensors"}}))
+    save_file(checkpoint_tensors, folder / "model.safetensors")
+    with LLM(str(folder), **SMALL) as llm:
+        _still_exact(llm, qwen3_tied)
+    os.remove(folder / "model.safetensors")
+    with pytest.raises(ValueError, match="maps tensors to model-00009-of-00009.safetensors, not in"):
+        LLM(str(folder), **SMALL)
+    # shards in a subfolder, named by a relative path
+    weight_map = _shards(checkpoint_tensors, folder, 2, sub="weights")
+    index.write_text(json.dumps({"weight_map": {k: "./" + v for k, v in weight_map.items()}}))
+    with LLM(str(folder), **SMALL) as llm:
+        _still_exact(llm, qwen3_tied)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "model.norm.extra": weight_map["model.norm.weight"]}}))
+    with pytest.raises(ValueError, match=r"maps 'model.norm.extra' to weights/model-0000\d-of-00002.safetensors, "
+                                         "which lacks it"):
+        LLM(str(folder), **SMALL)
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match="maps no tensors"):
         LLM(str(folder), **SMALL)
 
 

@@ -130,12 +130,12 @@ def test_multimodal_gemma3_and_bad_layer_types_are_refused(tmp_path):
               layer_types=["sliding_attention"] * 3)
     with pytest.raises(Exception, match="layer_types"):  # (transformers refuses it first, with its own error)
         LLM(path)
-    # a layer type transformers' config accepts and nanovllm does not implement (it ran as full attention)
+    # a layer type transformers' config accepts and nanovllm does not implement (not to be run as full attention)
     edit_json(os.path.join(path, "config.json"), layer_types=["sliding_attention", "chunked_attention"])
     with pytest.raises(ValueError, match="layer_types has 'chunked_attention', which nanovllm does not implement"):
         LLM(path)
     edit_json(os.path.join(path, "config.json"), layer_types=["sliding_attention", "full_attention"])
-    for window in (0, -1):  # (0 ran every layer with full attention, -1 masked every key)
+    for window in (0, -1):  # (not full attention for 0, nor every key masked for -1)
         edit_json(os.path.join(path, "config.json"), sliding_window=window)
         with pytest.raises(ValueError, match=f"sliding_window {window} is not a number of tokens"):
             LLM(path)

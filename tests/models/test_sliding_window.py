@@ -72,7 +72,7 @@ def test_the_reference_applies_gemma2s_attention_soft_cap(tmp_path):
 
 def test_gemma3_ignores_an_attention_soft_cap_in_its_config(tmp_path):
     """Gemma 3's config may carry attn_logit_softcapping, which its attention does not apply (transformers and vLLM
-    ignore it); the engine capped the scores with it (prompt logprobs off by 2 nats at this cap)."""
+    ignore it). A cap of 1.5 binds in this model: applied, it moves prompt logprobs by 2 nats."""
     capped = make_checkpoint(tmp_path / "gemma3", seed=7, **{**MODELS["gemma3"], "attn_logit_softcapping": 1.5})
     with LLM(capped, kvcache_block_size=16, max_model_len=256) as llm:
         check(llm, capped, prompts(1, [3, 40, 97]))

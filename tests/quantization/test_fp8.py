@@ -74,10 +74,9 @@ def test_online_fp8_quantizes_per_channel(base, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fp8_weights_on_cpu_in_16_bits(base, dtype, tmp_path):
     """On CPU in a 16-bit dtype the fp8 weights (a checkpoint's, dense and MoE experts, or quantization="fp8") are
-    dequantized to that dtype: they were dequantized to float32 whatever the dtype, and the start-up failed in
-    oneDNN ("could not create a primitive descriptor") where 16-bit activations met them. The tokens are those of
-    the dequantized weights run in the same dtype (online, the checkpoint's weights rounded to it first, as the
-    online quantizer reads them)."""
+    dequantized to that dtype (float32 weights against 16-bit activations fail in oneDNN: "could not create a primitive
+    descriptor"). The tokens are those of the dequantized weights run in the same dtype (online, the checkpoint's
+    weights rounded to it first, as the online quantizer reads them)."""
     moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
                           head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=6)
     prompts = prompts_of(3, [5, 40])
@@ -419,8 +418,8 @@ def test_block_scaled_fp8_gemm(rows):
                                         ("compressed-tensors", ["lm_head", r"re:.*layers\.0\.mlp"])])
 def test_modules_the_config_leaves_unquantized(base, tmp_path, fmt, ignore):
     """Layer 0's MLP kept in float32, named as the formats name it: a parent module or a regex matched from the start
-    up to a module boundary (transformers' modules_to_not_convert; the regex was read as a literal name, so the
-    float32 MLP was refused), or a `re:` regex matched from the start (compressed-tensors' ignore)."""
+    up to a module boundary (transformers' modules_to_not_convert, not a literal name), or a `re:` regex matched
+    from the start (compressed-tensors' ignore)."""
     from safetensors.torch import load_file
     fp8, reference = make_fp8(base, tmp_path / "fp8", fmt, tmp_path / "reference")
     plain = load_file(os.path.join(reference, "model.safetensors"))
