@@ -73,7 +73,8 @@ class AllowedTokensProcessor(LogitsProcessor):
 
 class BadWordsProcessor(LogitsProcessor):
     """bad_words, each as token sequences (Sequence.bad_words_ids): the last token of a sequence is banned where the
-    tokens before it end the row's history (a one-token word: always). Read when the step samples, from the settled
+    tokens before it end the row's output so far (a one-token word: always), as vLLM matches them: a prompt ending
+    in a word's first tokens bans nothing. Read when the step samples, from the settled
     tokens: under async scheduling the engine settles the step before first (as for a grammar)."""
 
     def prepare(self, seqs, sampled, to_device):
@@ -84,9 +85,10 @@ class BadWordsProcessor(LogitsProcessor):
         rows, to_device = state
         banned_rows, banned_ids = [], []
         for i, seq in rows:
-            history = seq.token_ids
+            history, outputs = seq.token_ids, len(seq.token_ids) - seq.num_prompt_tokens
             for word in seq.bad_words_ids:
-                if len(word) == 1 or history[len(history) - len(word) + 1:] == word[:-1]:
+                before = len(word) - 1
+                if before == 0 or (before <= outputs and history[len(history) - before:] == word[:-1]):
                     banned_rows.append(i)
                     banned_ids.append(word[-1])
         if not banned_rows:

@@ -225,10 +225,10 @@ def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
 
 def _sample_filtered(logits: torch.Tensor, temperatures: torch.Tensor, st: SamplingTensors, generator,
                      draws=None) -> torch.Tensor:
-    """top-k, then top-p (over what top-k kept, renormalized), then min-p; then the race among the rest.
-    Each step needs a row's probabilities only up to a factor (top-p's mass is relative to what top-k kept, min-p's
-    threshold to the top probability, the race picks argmax(p / E)), so when every row has a top-k, only the
-    max_top_k best logits are ranked (topk instead of a full sort) and the softmax covers them alone."""
+    """min-p and top-k, then top-p over what they kept (renormalized), as vLLM orders them; then the race among the
+    rest. Each step needs a row's probabilities only up to a factor (min-p's threshold is relative to the top
+    probability, top-p's mass to what min-p and top-k kept, the race picks argmax(p / E)), so when every row has a
+    top-k, only the max_top_k best logits are ranked (topk instead of a full sort) and the softmax covers them alone."""
     if st.max_top_k < logits.size(1):
         values, order = logits.topk(st.max_top_k, -1)
         sorted_probs = torch.softmax(values / temperatures, -1)
@@ -238,12 +238,12 @@ def _sample_filtered(logits: torch.Tensor, temperatures: torch.Tensor, st: Sampl
     remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if st.top_ks is not None:
         remove |= rank >= st.top_ks.unsqueeze(1)
+    if st.min_ps is not None:
+        remove |= sorted_probs < st.min_ps.unsqueeze(1) * sorted_probs[:, :1]
     if st.top_ps is not None:
         # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does
         kept = sorted_probs.masked_fill(remove, 0.0)
         mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
         remove |= mass_before >= st.top_ps.unsqueeze(1)
-    if st.min_ps is not None:
-        remove |= sorted_probs < st.min_ps.unsqueeze(1) * sorted_probs[:, :1]
     remove[:, 0] = False  # the most likely token always stays
     return _race(sorted_probs.masked_fill(remove, 0.0), st, generator, order, draws)

@@ -186,12 +186,21 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
             11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79, 18: 42.31, 19: 43.82}
 
 
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest prefix of the sorted tokens whose mass (of what is left, renormalized) reaches top_p."""
+    sorted_p, order = (probs / probs.sum()).sort(descending=True)
+    keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+    return torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+
+
 @pytest.mark.parametrize("temperature, opts, expect", [
     (1.0, {}, lambda p: p),
     (0.5, {}, lambda p: p),
     (1.0, {"top_k": 4}, lambda p: p * (p >= p.sort(descending=True).values[3])),
     (1.0, {"top_p": 0.7}, None),
     (1.0, {"min_p": 0.1}, lambda p: p * (p >= 0.1 * p.max())),
+    # vLLM's order: min-p first, then top-p over what it kept (2 tokens here; top-p first would keep 3)
+    (1.0, {"min_p": 0.3, "top_p": 0.7}, lambda p: _top_p(p * (p >= 0.3 * p.max()), 0.7)),
 ])
 def test_sampled_frequencies_match_the_distribution(temperature, opts, expect):
     torch.manual_seed(0)
@@ -199,10 +208,8 @@ def test_sampled_frequencies_match_the_distribution(temperature, opts, expect):
     probs = torch.softmax(logits / temperature, -1)
     if expect is not None:
         probs = expect(probs)
-    else:  # top-p: the smallest prefix of the sorted tokens whose mass reaches top_p
-        sorted_p, order = probs.sort(descending=True)
-        keep = (sorted_p.cumsum(0) - sorted_p) < opts["top_p"]
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+    else:
+        probs = _top_p(probs, opts["top_p"])
     probs = probs / probs.sum()
     rows = 40000
     st = SamplingTensors(torch.full((rows,), temperature))

@@ -186,6 +186,9 @@ def test_vocabulary_constraints_on_the_engine_path(tiny):
     out = tiny.generate([prompt, prompt[:2]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                              bad_words=[word]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids[:i + 1] == plain[:i + 1] and out.token_ids[i + 1] != plain[i + 1]  # its first token stays
+    # a prompt ending in the word's first token bans nothing: the word is matched in the output, as vLLM does
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, bad_words=[word])
+    assert tiny.generate([prompt + plain[:i + 1]], once, use_tqdm=False)[0].outputs[0].token_ids == [plain[i + 1]]
     for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=[word]),
                    SamplingParams(temperature=1.0, seed=0, max_tokens=10, ignore_eos=True, bad_words=[word])):
         ids = tiny.generate([prompt, prompt[:2]], params, use_tqdm=False)[0].outputs[0].token_ids
