@@ -134,11 +134,14 @@ class Scheduler:
         return True
 
     def _reload_lora_slots(self, loads: list):
-        """After a failed step (LoRAManager.forget): a slot for each running sequence's adapter, loaded again (the
-        running sequences use at most max_loras adapters, so each finds one)."""
+        """After a failed step (LoRAManager.forget): a slot for the adapter of each sequence that holds one, loaded
+        again: the running sequences and a chunked prefill in progress at the head of waiting (it keeps its blocks
+        and slot, and is not admitted again). They were given slots together, so they use at most max_loras
+        adapters and each finds one."""
         self.lora.stale = False
         slots: dict[int, int] = {}
-        for seq in self.running:
+        mid_prefill = [self.waiting[0]] if self.waiting and self.waiting[0].block_table else []
+        for seq in (*self.running, *mid_prefill):
             if seq.lora_id:
                 if seq.lora_id not in slots:
                     slot, load = self.lora.acquire(seq.lora_id, set(slots.values()))

@@ -180,6 +180,24 @@ def test_after_a_failed_step_the_running_adapters_are_loaded_again(qwen3_tied, l
         assert batches[0].lora_loads[0][1].request == lora_attention
 
 
+def test_a_chunked_prefill_whose_first_chunk_failed_goes_on_under_its_adapter(qwen3_tied, lora_attention, lora_mixed):
+    """max_loras=1, the slot holding another adapter: a step fails on the first chunk of a prompt prefilled in
+    chunks, before its adapter's load is known to have run. The prompt stays at the head of waiting with its blocks
+    and slot, and the next steps load its adapter again: its tokens are its adapter's, not the slot's last one's."""
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16, max_num_batched_tokens=32) as llm:
+        llm.generate([prompts_of(16, [5])[0]], GREEDY, lora_request=lora_attention, use_tqdm=False)
+        prompt = prompts_of(17, [70])[0]
+        seq = llm.add_request(prompt, GREEDY, lora_request=lora_mixed)
+        with mock.patch.object(llm.executor, "run", side_effect=RuntimeError("device lost")):
+            with pytest.raises(RuntimeError):
+                llm.step()
+        assert seq.block_table and llm.scheduler.waiting[0] is seq
+        while not llm.is_finished():
+            llm.step()
+        assert seq.completion_token_ids == expected(qwen3_tied, prompt, lora_mixed)
+        assert expected(qwen3_tied, prompt, lora_mixed) != expected(qwen3_tied, prompt, lora_attention)
+
+
 def test_requests_behind_one_waiting_for_a_slot_go_first(qwen3_tied, lora_attention, lora_mixed):
     """max_loras=1: the second adapter's request waits for the slot, and the base-model requests behind it are
     admitted meanwhile (vLLM skips such a request too); then everything finishes with the right tokens."""

@@ -89,6 +89,13 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
          "only LoRA adapters are supported"),
         (adapter_copy(lora_attention, tmp_path / "bias", 35, bias="lora_only"), "trained biases are not supported"),
         (adapter_copy(lora_attention, tmp_path / "save", 36, modules_to_save=["lm_head"]), "modules_to_save"),
+        # PEFT applies an activated LoRA only from its invocation tokens on
+        (adapter_copy(lora_attention, tmp_path / "alora", 37, alora_invocation_tokens=[5, 17]), "activated LoRA"),
+        # PiSSA / OLoRA adapters are relative to a base PEFT modifies as it loads them
+        (adapter_copy(lora_attention, tmp_path / "pissa", 38, init_lora_weights="pissa_niter_4"),
+         "path_initial_model_for_weight_conversion"),
+        (adapter_copy(lora_attention, tmp_path / "olora", 39, init_lora_weights="olora"),
+         "init_lora_weights='olora'"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -97,6 +104,13 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
             llm.add_lora(request)
         assert request.lora_int_id not in llm.list_loras()
         still_works(llm, qwen3_tied, lora_attention)
+    # use_rslora: null, as PEFT writes it, reads as false
+    import json
+    null_rslora = adapter_copy(lora_attention, tmp_path / "null_rslora", 47)
+    config = os.path.join(null_rslora.lora_path, "adapter_config.json")
+    json.dump({**json.load(open(config)), "use_rslora": None}, open(config, "w"))
+    outs = llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[lora_attention, null_rslora], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_an_id_reused_for_another_path(llm, qwen3_tied, lora_attention, tmp_path):
