@@ -68,19 +68,15 @@ def _longest(stops: list[str]) -> int:
 
 
 def find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """(where the stop string that ends first in `text` starts, that string; of two ending together, the first in
-    `stops`, as vLLM picks), looking only at stop strings that end in the last `delta_len` characters; None if none
-    does."""
+    """(where the stop string starts in `text`, that string) for the first string of `stops` found there, looking only
+    at occurrences that end in the last `delta_len` characters (vLLM's check_stop_strings: list order decides when
+    one step's text completes several); None if none is."""
     new_from = len(text) - delta_len
-    hits = []
-    for order, stop in enumerate(stops):
+    for stop in stops:
         i = text.find(stop, max(0, new_from - len(stop) + 1))
         if i >= 0:
-            hits.append((i + len(stop), order, i, stop))
-    if not hits:
-        return None
-    _, _, at, stop = min(hits)
-    return at, stop
+            return i, stop
+    return None
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:

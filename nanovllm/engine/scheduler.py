@@ -191,10 +191,10 @@ class Scheduler:
         """Finish `seq` if the token at position length-1 ends it (EOS, a stop id, max_tokens, max_model_len)."""
         sp = seq.sampling_params
         num_completion = length - seq.num_prompt_tokens
-        if num_completion >= sp.min_tokens and (
-                (not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
+        eos = not seq.ignore_eos and token_id in self.eos_token_ids
+        if num_completion >= sp.min_tokens and (eos or token_id in sp.stop_token_ids):
             self.finish(seq, "stop")
-            if token_id in sp.stop_token_ids:  # (vLLM's stop_reason: a stop id, never EOS)
+            if not eos:  # (vLLM's stop_reason: a stop id, never EOS, which it checks first)
                 seq.stop_reason = token_id
         elif num_completion >= seq.max_tokens or length >= self.max_model_len:
             self.finish(seq, "length")

@@ -54,6 +54,8 @@ def test_stop_token_and_eos_stop_reasons(llm):
     eos = llm.get_tokenizer().eos_token_id
     ended = _greedy(llm, max_tokens=4, logit_bias={eos: 100.0})  # EOS at once
     assert ended.finish_reason == "stop" and ended.stop_reason is None and ended.token_ids == [eos]
+    listed = _greedy(llm, max_tokens=4, logit_bias={eos: 100.0}, stop_token_ids=[eos])  # EOS is checked first
+    assert listed.finish_reason == "stop" and listed.stop_reason is None and listed.token_ids == [eos]
     assert _greedy(llm, max_tokens=2, ignore_eos=True).stop_reason is None  # a length
 
 

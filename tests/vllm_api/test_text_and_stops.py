@@ -1,6 +1,6 @@
-"""Output text and stopping as vLLM gives them: a completion's text reads as it does after its prompt (a
-SentencePiece word keeps its leading space), a stop string counts only past min_tokens and the one that ends first
-wins, the tokenizer's EOS ends a sequence, generation_config's max_new_tokens is the default max_tokens, and
+"""Output text and stopping as vLLM gives them: a completion's text reads as it does after its prompt (a SentencePiece
+word keeps its leading space), a stop string counts only past min_tokens and of several one step completes the first
+listed wins, the tokenizer's EOS ends a sequence, generation_config's max_new_tokens is the default max_tokens, and
 max_tokens=None runs up to max_model_len."""
 import json
 import os
@@ -38,10 +38,11 @@ def test_the_first_word_keeps_its_space_after_the_prompt(spm):
     assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", first, "")
 
 
-def test_the_stop_string_that_ends_first_wins():
-    assert find_stop("abgine", 4, ["ne", "ine"]) == (4, "ne")  # both end on the same character: list order
+def test_of_the_stop_strings_one_step_completes_the_first_listed_wins():
+    """vLLM's check_stop_strings: the first string of `stop` found in the text the step added."""
+    assert find_stop("abgine", 4, ["ne", "ine"]) == (4, "ne")
     assert find_stop("abgine", 4, ["ine", "ne"]) == (3, "ine")
-    assert find_stop("abcd", 4, ["cd", "b"]) == (1, "b")  # "b" ends first, though listed last
+    assert find_stop("abcd", 4, ["cd", "b"]) == (2, "cd")  # listed first, though "b" ends before it
     assert find_stop("abcd", 1, ["b", "bc"]) is None  # only stop strings ending in the last character count
     assert find_stop("abcd", 2, ["b", "bc"]) == (1, "bc")
 
