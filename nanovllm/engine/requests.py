@@ -39,6 +39,17 @@ def fork_copies(num_tokens: int, n: int, block_size: int) -> int:
     return n - 1 if num_tokens % block_size else 0
 
 
+
+def _truncate_text(tokenizer, text: str, token_ids: list[int], keep: int) -> list[int]:
+    """A text prompt's tokens cut to `keep` as vLLM cuts them (the tokenizer truncating on the left): the special
+    tokens the tokenizer adds (a BOS) stay, and the text's last tokens fill the rest."""
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    added = len(token_ids) - len(plain)
+    start = next((a for a in range(added + 1) if token_ids[a:a + len(plain)] == plain), None)
+    if start is None or keep < added:  # (the specials are not around the text, or more than the budget)
+        return token_ids[-keep:]
+    return token_ids[:start] + plain[len(plain) - (keep - added):] + token_ids[start + len(plain):]
+
 @dataclass
 class RequestChecker:
     """Checks requests against one model and cache. `compile_grammar` (optional) compiles a structured-outputs
@@ -69,8 +80,9 @@ class RequestChecker:
         else:
             raise TypeError(f"a prompt must be a str, a list of int token ids or a prompt dict (TextPrompt, "
                             f"TokensPrompt), got {type(prompt).__name__}")
-        if truncate is not None:
-            token_ids = token_ids[-truncate:]
+        if truncate is not None and len(token_ids) > truncate:
+            token_ids = (_truncate_text(self.tokenizer, prompt, token_ids, truncate) if isinstance(prompt, str)
+                         else token_ids[-truncate:])
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)

@@ -119,6 +119,35 @@ def test_truncate_prompt_tokens(llm):
     assert out.outputs[0].token_ids == _greedy(llm, {"prompt_token_ids": ids[-3:]}, max_tokens=3).token_ids
 
 
+def test_truncate_prompt_tokens_keeps_the_bos_a_tokenizer_adds(tmp_path):
+    """A text prompt is cut as vLLM cuts it, by its tokenizer truncating on the left: a BOS the tokenizer adds stays
+    (Llama- and Gemma-style tokenizers), and the text's last tokens fill the rest; token-id prompts keep their last
+    ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from nanovllm import LLM
+    from tests.tiny_models import CORPUS, make_checkpoint
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    path = make_checkpoint(tmp_path, "llama", tokenizer=PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"))
+    left = AutoTokenizer.from_pretrained(path, truncation_side="left")
+    text = "Once upon a time there was a small engine that could generate text quickly."
+    assert left.encode(text)[0] == 0
+    with LLM(path, kvcache_block_size=16, max_model_len=128) as llm:
+        for keep in (1, 2, 6):
+            sp = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=keep)
+            out = llm.generate(text, sp, use_tqdm=False)[0]
+            assert out.prompt_token_ids == left.encode(text, truncation=True, max_length=keep), keep
+            assert llm.generate({"prompt_token_ids": left.encode(text)}, sp,
+                                use_tqdm=False)[0].prompt_token_ids == left.encode(text)[-keep:]
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "logits_processors"),
     (dict(output_kind="DELTA"), ValueError, "output_kind"),
