@@ -18,6 +18,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(config.eos_token_ids)
+        # vLLM's primary EOS (the tokenizer's): it ends with stop_reason None; the others (generation_config's)
+        # vLLM turns into stop_token_ids, which report their id
+        self.primary_eos = config.eos_token_ids[0] if config.eos_token_ids else None
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -194,7 +197,7 @@ class Scheduler:
         eos = not seq.ignore_eos and token_id in self.eos_token_ids
         if num_completion >= sp.min_tokens and (eos or token_id in sp.stop_token_ids):
             self.finish(seq, "stop")
-            if not eos:  # (vLLM's stop_reason: a stop id, never EOS, which it checks first)
+            if not (eos and token_id == self.primary_eos):  # (vLLM checks its EOS first: stop_reason None)
                 seq.stop_reason = token_id
         elif num_completion >= seq.max_tokens or length >= self.max_model_len:
             self.finish(seq, "length")

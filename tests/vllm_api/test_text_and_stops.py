@@ -81,6 +81,10 @@ def test_the_tokenizers_eos_ends_a_sequence(base, tmp_path):
         ignored = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, logit_bias={1: 100.0}, ignore_eos=True),
                                use_tqdm=False)[0]
         assert ignored.outputs[0].token_ids == [1] * 8
+        assert ended.outputs[0].stop_reason is None
+        # another EOS (config.json's here) ends a sequence as one of vLLM's stop_token_ids: stop_reason is its id
+        other = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, logit_bias={0: 100.0}), use_tqdm=False)[0]
+        assert other.outputs[0].token_ids == [0] and other.outputs[0].stop_reason == 0
 
 
 def test_max_new_tokens_and_max_tokens_none(base, tmp_path):
