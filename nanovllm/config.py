@@ -56,6 +56,7 @@ class Config:
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, init=False)
+    primary_eos_token_id: int | None = field(default=None, init=False)  # the tokenizer's (vLLM's primary EOS)
     torch_dtype: torch.dtype = field(default=None, init=False)
     kv_cache_torch_dtype: torch.dtype = field(default=None, init=False)  # the cache's element type
     quant: object = field(default=None, init=False, repr=False)  # the weights' QuantConfig (quantization/config.py)
@@ -128,7 +129,7 @@ class Config:
         if self.load_format not in ("auto", "safetensors", "dummy"):  # ("safetensors" is what "auto" reads)
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
 
-        from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config
+        from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config, tokenizer_eos_id
         self.hf_config = load_hf_config(self.model)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:
@@ -152,6 +153,7 @@ class Config:
             raise ValueError(f"fp8 weights need a GPU with fp8 support (compute capability 8.9 or later: Ada, Hopper); "
                              f"this one is {torch.cuda.get_device_capability()}")
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
+        self.primary_eos_token_id = tokenizer_eos_id(self.model)
         if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype]
         elif self.device == "cpu":

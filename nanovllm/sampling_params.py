@@ -39,11 +39,11 @@ class SamplingParams:
     schema, a regex, a choice or a grammar (docs/structured_outputs.md); the grammar decides where the answer ends,
     so min_tokens cannot be combined with it.
     vLLM's further fields: detokenize (False: no text, only token ids), spaces_between_special_tokens (passed to the
-    tokenizer's decode), include_stop_str_in_output (the text keeps the stop string that ended it), logit_bias
-    ({token id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to
-    generate, as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens); logits_processors,
-    output_kind and extra_args are accepted at their defaults. max_tokens defaults to 16, as in vLLM; None runs
-    up to max_model_len.
+    tokenizer's decode), include_stop_str_in_output (the text keeps the stop string that ended it), logit_bias ({token
+    id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to generate,
+    as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens, a text prompt keeping the special
+    tokens its tokenizer adds); logits_processors, output_kind and extra_args are accepted at their defaults. max_tokens
+    defaults to 16, as in vLLM; None runs up to max_model_len.
     """
 
     temperature: float = 1.0

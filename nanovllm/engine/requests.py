@@ -39,16 +39,20 @@ def fork_copies(num_tokens: int, n: int, block_size: int) -> int:
     return n - 1 if num_tokens % block_size else 0
 
 
-
 def _truncate_text(tokenizer, text: str, token_ids: list[int], keep: int) -> list[int]:
     """A text prompt's tokens cut to `keep` as vLLM cuts them (the tokenizer truncating on the left): the special
-    tokens the tokenizer adds (a BOS) stay, and the text's last tokens fill the rest."""
+    tokens the tokenizer adds (a BOS) stay, and the text's last tokens fill the rest. ValueError where `keep` is
+    fewer than those special tokens (the tokenizer would leave the prompt whole)."""
     plain = tokenizer.encode(text, add_special_tokens=False)
     added = len(token_ids) - len(plain)
+    if keep < added:
+        raise ValueError(f"truncate_prompt_tokens={keep} is fewer than the {added} special tokens the tokenizer adds "
+                         f"to a text prompt; keep at least {added}")
     start = next((a for a in range(added + 1) if token_ids[a:a + len(plain)] == plain), None)
-    if start is None or keep < added:  # (the specials are not around the text, or more than the budget)
+    if start is None:  # (the specials are not around the text: its tokens merge with them)
         return token_ids[-keep:]
     return token_ids[:start] + plain[len(plain) - (keep - added):] + token_ids[start + len(plain):]
+
 
 @dataclass
 class RequestChecker:
@@ -66,7 +70,8 @@ class RequestChecker:
     longer: str = "raise max_model_len"  # how a longer prompt would fit (the error's advice)
 
     def tokenize(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
-        """The prompt's token ids (its last `truncate`, where given), checked against the model."""
+        """The prompt's token ids (its last `truncate`, where given: _truncate_text for a text prompt), checked
+        against the model."""
         _, prompt = prompt_parts(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -20,7 +20,7 @@ class Scheduler:
         self.eos_token_ids = set(config.eos_token_ids)
         # vLLM's primary EOS (the tokenizer's): it ends with stop_reason None; the others (generation_config's)
         # vLLM turns into stop_token_ids, which report their id
-        self.primary_eos = config.eos_token_ids[0] if config.eos_token_ids else None
+        self.primary_eos = config.primary_eos_token_id
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

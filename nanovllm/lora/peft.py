@@ -66,7 +66,8 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
     if not isinstance(config, dict):
         raise ValueError(f"{where}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
     _check_config(config, where)
-    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora") or False  # (PEFT reads null as false)
+    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora")
+    rslora = False if rslora is None else rslora  # (PEFT reads null as false)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise ValueError(f"{where}: lora_alpha must be a positive number, got {alpha!r} in {CONFIG}")
     if not isinstance(rslora, bool):
@@ -131,7 +132,10 @@ def _check_config(config: dict, where: str):
         raise ValueError(f"{where}: an activated LoRA (alora_invocation_tokens in {CONFIG}) is not supported: "
                          "nanovllm applies an adapter to every token of its requests")
     init = str(config.get("init_lora_weights", True)).lower()
-    if init.startswith(("pissa", "olora", "corda", "loftq", "lora_ga")):
+    if init == "loftq":  # (its base is the quantized approximation LoftQ saved with it, not the original weights)
+        raise ValueError(f"{where}: init_lora_weights='loftq': a LoftQ adapter applies to the base model LoftQ saved "
+                         "with it; serve that model, and the adapter saved with init_lora_weights=True")
+    if init.startswith(("pissa", "olora", "corda", "lora_ga")):
         # (these adapters are relative to a base PEFT changes when it loads them: W minus the initial B A)
         raise ValueError(f"{where}: init_lora_weights={config['init_lora_weights']!r}: such an adapter applies to "
                          "a base model PEFT modifies as it loads it; save it with save_pretrained(..., "

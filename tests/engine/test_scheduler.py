@@ -9,7 +9,8 @@ BS = 16
 
 def _scheduler(num_blocks=16, max_num_seqs=4, max_tokens=64, max_model_len=256):
     cfg = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
-                          eos_token_ids=[0], kvcache_block_size=BS, enable_prefix_caching=True)
+                          eos_token_ids=[0], primary_eos_token_id=0, kvcache_block_size=BS,
+                          enable_prefix_caching=True)
     return Scheduler(cfg, num_blocks)
 
 

@@ -104,13 +104,22 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
             llm.add_lora(request)
         assert request.lora_int_id not in llm.list_loras()
         still_works(llm, qwen3_tied, lora_attention)
-    # use_rslora: null, as PEFT writes it, reads as false
+
+
+def test_use_rslora_null_reads_as_false(llm, lora_attention, tmp_path):
+    """PEFT writes use_rslora: null for the default and reads it as false: the scale stays lora_alpha / r."""
     import json
+
+    from nanovllm.lora.peft import read_adapter
     null_rslora = adapter_copy(lora_attention, tmp_path / "null_rslora", 47)
-    config = os.path.join(null_rslora.lora_path, "adapter_config.json")
-    json.dump({**json.load(open(config)), "use_rslora": None}, open(config, "w"))
-    outs = llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[lora_attention, null_rslora], use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    file = os.path.join(null_rslora.lora_path, "adapter_config.json")
+    with open(file) as f:
+        config = json.load(f)
+    with open(file, "w") as f:
+        json.dump({**config, "use_rslora": None}, f)
+    hf_config = llm.config.hf_config
+    plain, null = (read_adapter(r, hf_config, 64).modules for r in (lora_attention, null_rslora))
+    assert plain == null and all(scale == config["lora_alpha"] / r for r, scale in null.values())
 
 
 def test_an_id_reused_for_another_path(llm, qwen3_tied, lora_attention, tmp_path):

@@ -148,6 +148,20 @@ def test_truncate_prompt_tokens_keeps_the_bos_a_tokenizer_adds(tmp_path):
                                 use_tqdm=False)[0].prompt_token_ids == left.encode(text)[-keep:]
 
 
+def test_truncation_keeps_a_bos_and_an_eos_and_refuses_fewer_tokens_than_they_are():
+    from nanovllm.engine.requests import _truncate_text
+
+    class BosEos:  # (a tokenizer adding <s> = 0 and </s> = 1 around a text's tokens)
+        def encode(self, text, add_special_tokens=True):
+            ids = [ord(c) for c in text]
+            return [0, *ids, 1] if add_special_tokens else ids
+    full = BosEos().encode("abcd")
+    assert _truncate_text(BosEos(), "abcd", full, 3) == [0, ord("d"), 1]
+    assert _truncate_text(BosEos(), "abcd", full, 2) == [0, 1]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=1 is fewer than the 2 special tokens"):
+        _truncate_text(BosEos(), "abcd", full, 1)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "logits_processors"),
     (dict(output_kind="DELTA"), ValueError, "output_kind"),
