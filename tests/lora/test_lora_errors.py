@@ -96,6 +96,8 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
          "path_initial_model_for_weight_conversion"),
         (adapter_copy(lora_attention, tmp_path / "olora", 39, init_lora_weights="olora"),
          "init_lora_weights='olora'"),
+        (adapter_copy(lora_attention, tmp_path / "loftq", 48, init_lora_weights="loftq"),
+         "a LoftQ adapter applies to the base model LoftQ saved with it"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
