@@ -65,6 +65,11 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         raise ValueError(f"{where}: {CONFIG} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    stacked = [t for t in config.get("target_parameters") or () if str(t).rpartition(".")[2] in EXPERT_PARAMETERS]
+    if experts and stacked:  # (PEFT names an MoE layer's stacked experts by their parameters, "experts" or not)
+        raise ValueError(f"{where}: target_parameters {stacked!r} are this MoE model's stacked expert weights: LoRA "
+                         "on MoE experts is not supported (attention targets are)")
     _check_config(config, where)
     alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora")
     rslora = False if rslora is None else rslora  # (PEFT reads null as false)
@@ -112,6 +117,9 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
             raise ValueError(f"{where}: {name} has rank {r}, above max_lora_rank={max_rank}; raise max_lora_rank")
         modules[layer, module] = r, alpha / (math.sqrt(r) if rslora else r)
     return Adapter(request, modules)
+
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # an MoE layer's stacked expert weights, as transformers names them
 
 
 def _check_config(config: dict, where: str):

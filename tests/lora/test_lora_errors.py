@@ -108,6 +108,19 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
         still_works(llm, qwen3_tied, lora_attention)
 
 
+def test_lora_on_stacked_experts_is_refused_as_such(lora_attention, tmp_path):
+    """PEFT targets an MoE layer's stacked experts by their parameter names (target_parameters ["gate_up_proj",
+    "down_proj"], with an alpha_pattern): the refusal names the experts, not the alpha_pattern."""
+    from types import SimpleNamespace
+
+    from nanovllm.lora.peft import read_adapter
+    request = adapter_copy(lora_attention, tmp_path / "moe", 49, target_parameters=["gate_up_proj", "down_proj"],
+                           alpha_pattern={"gate_up_proj": 32})
+    with pytest.raises(ValueError, match=r"\['gate_up_proj', 'down_proj'\] are this MoE model's stacked expert "
+                                         "weights: LoRA on MoE experts is not supported"):
+        read_adapter(request, SimpleNamespace(num_experts=4), 64)
+
+
 def test_use_rslora_null_reads_as_false(llm, lora_attention, tmp_path):
     """PEFT writes use_rslora: null for the default and reads it as false: the scale stays lora_alpha / r."""
     import json
