@@ -65,12 +65,8 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         raise ValueError(f"{where}: {CONFIG} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    stacked = [t for t in config.get("target_parameters") or () if str(t).rpartition(".")[2] in EXPERT_PARAMETERS]
-    if experts and stacked:  # (PEFT names an MoE layer's stacked experts by their parameters, "experts" or not)
-        raise ValueError(f"{where}: target_parameters {stacked!r} are this MoE model's stacked expert weights: LoRA "
-                         "on MoE experts is not supported (attention targets are)")
-    _check_config(config, where)
+    _check_config(config, where, moe=bool(getattr(hf_config, "num_experts", None)
+                                          or getattr(hf_config, "num_local_experts", None)))
     alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora")
     rslora = False if rslora is None else rslora  # (PEFT reads null as false)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
@@ -122,10 +118,13 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # an MoE layer's stacked expert weights, as transformers names them
 
 
-def _check_config(config: dict, where: str):
-    if any("experts" in str(target) for target in config.get("target_parameters") or ()):
-        raise ValueError(f"{where}: target_parameters {config['target_parameters']!r}: LoRA on MoE experts is not "
-                         "supported (attention targets are)")
+def _check_config(config: dict, where: str, moe: bool):
+    # PEFT names stacked experts by their parameters, with "experts" in the path or (on an MoE model) without it
+    stacked = [t for t in config.get("target_parameters") or ()
+               if "experts" in str(t) or (moe and str(t).rpartition(".")[2] in EXPERT_PARAMETERS)]
+    if stacked:
+        raise ValueError(f"{where}: target_parameters {stacked!r} are {'this' if moe else 'an'} MoE model's stacked "
+                         "expert weights: LoRA on MoE experts is not supported (attention targets are)")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r}; only LoRA adapters are supported")
     refused = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained modules)",
