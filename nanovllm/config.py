@@ -137,8 +137,11 @@ class Config:
                 raise ValueError(f"max_model_len=None takes the model's own limit, but {self.model} states none "
                                  "(no max_position_embeddings): pass max_model_len")
             self.max_model_len = max_pos
-        elif max_pos:
-            self.max_model_len = min(self.max_model_len, max_pos)
+        elif max_pos and self.max_model_len > max_pos:
+            # (raising max_model_len further changes nothing: a too-long prompt's error must say so)
+            self.longer_prompts = (f"use a model with a longer context (max_model_len={self.max_model_len} was "
+                                   f"capped at this model's max_position_embeddings={max_pos})")
+            self.max_model_len = max_pos
         from nanovllm.models import check_model_config  # before any weight is read
         windows = check_model_config(self.hf_config)
         if self.disable_sliding_window and windows:  # (as vLLM does: the config then states no window)

@@ -82,6 +82,18 @@ def test_option_refusals(model):
     assert Config.from_kwargs(model).max_model_len == 2048  # 4096 by default, within this model's 2048
 
 
+def test_a_prompt_past_the_models_limit_is_not_told_to_raise_max_model_len(model):
+    # max_model_len above max_position_embeddings is capped at it: raising it further cannot fit a longer prompt
+    with LLM(model, max_model_len=100000, kvcache_block_size=16, num_kvcache_blocks=130) as llm:
+        with pytest.raises(ValueError, match=r"more than max_model_len=2048: shorten it or use a model with a longer "
+                                             r"context \(max_model_len=100000 was capped at this model's "
+                                             r"max_position_embeddings=2048\)"):
+            llm.generate([[5] * 2049], GREEDY, use_tqdm=False)
+    with LLM(model, max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=32) as llm:  # (not capped)
+        with pytest.raises(ValueError, match="more than max_model_len=256: shorten it or raise max_model_len$"):
+            llm.generate([[5] * 257], GREEDY, use_tqdm=False)
+
+
 def test_accessors(tiny, model):
     assert tiny.llm_engine is tiny and tiny.get_tokenizer() is tiny.tokenizer
     config = tiny.llm_engine.model_config
