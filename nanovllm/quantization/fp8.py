@@ -142,8 +142,10 @@ def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_ro
                    group: int | None) -> torch.Tensor:
     """A checkpoint's scales for a weight of `rows` rows as the layers keep them, float32: [rows] per channel (a
     per-tensor scale repeated), or [rows, groups] with each block row's scales repeated over its rows. ValueError
-    for any other shape."""
+    for any other shape, or for a NaN or infinite scale (every product with its weight would be NaN or inf)."""
     loaded = loaded.float()
+    if not torch.isfinite(loaded).all():
+        raise ValueError("holds NaN or infinite scales: the checkpoint is damaged; re-download or re-quantize it")
     if group is None:
         if loaded.numel() == 1:  # per tensor
             return loaded.reshape(1).expand(rows)

@@ -222,6 +222,11 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
     edit_tensors(misshapen, replace={scale: torch.ones(3, 4)})
     with pytest.raises(ValueError, match=rf"{scale}.*scale shape \(3, 4\) does not match the expected \(2, 4\)"):
         LLM(misshapen)
+    for bad in (float("nan"), float("inf")):  # (a whole model of NaN or inf logits, without a word)
+        damaged = _variant(qwen_fp8, tmp_path / f"damaged-{bad}")
+        edit_tensors(damaged, replace={scale: torch.full((2, 4), 1e-3).index_fill_(1, torch.tensor([2]), bad)})
+        with pytest.raises(ValueError, match=rf"{scale}.*holds NaN or infinite scales"):
+            LLM(damaged)
     # a weight the config quantizes, stored in another dtype (its scale present): copy_ would convert it silently
     weight = "model.layers.1.mlp.down_proj.weight"
     stored = load_file(os.path.join(qwen_fp8, "model.safetensors"))[weight]
