@@ -15,6 +15,8 @@ from nanovllm.lora.request import LoRARequest
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
+# state that VeLoRA and MonteCLoRA use only while training (in eval PEFT computes plain B A x with them), saved too
+_TRAINING_ONLY = re.compile(r".*\.lora_(velora_embed|monteclora_sampler\.\w+)")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -81,6 +83,8 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         raise ValueError(f"{where}: {WEIGHTS} cannot be read ({e}); save the adapter again") from None
     found: dict[tuple[int, str], dict[str, tuple]] = {}
     for key, shape in shapes.items():
+        if _TRAINING_ONLY.fullmatch(key):
+            continue
         match = _KEY.fullmatch(key)
         if match is None:
             raise ValueError(f"{where}: weight {key!r} is not a LoRA A/B matrix of a decoder layer's attention or MLP "
@@ -115,6 +119,17 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
     return Adapter(request, modules)
 
 
+# LoRA variants whose adapters are not plain B A updates of the base nanovllm serves
+VARIANTS = {"use_qalora": "QA-LoRA (its A reads the input pooled in groups, for a GPTQ base)",
+            "use_bdlora": "BD-LoRA (block-diagonal A or B factors)",
+            "kasa_config": "KaSA (it truncates the base weights' singular values and scales B A by a trained diagonal)",
+            "arrow_config": "Arrow (it routes each token among several adapters)",
+            "lora_bias": "lora_bias (a trained bias on lora_B)",
+            "trainable_token_indices": "trainable_token_indices (trained embedding rows)"}
+# the fields of a plain LoRA, and variants that are one at inference (their training or initialisation differs):
+# EVA's, CorDA's, LoRA-GA's and LoftQ's configs (init_lora_weights says which needs a refusal), VeLoRA, MonteCLoRA
+PLAIN_FIELDS = {"use_rslora", "use_dora", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+                "megatron_config", "runtime_config", "velora_config", "monteclora_config"}
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # an MoE layer's stacked expert weights, as transformers names them
 
 
@@ -133,6 +148,16 @@ def _check_config(config: dict, where: str, moe: bool):
     for key, what in refused.items():
         if config.get(key):
             raise ValueError(f"{where}: {what} is not supported ({key}={config[key]!r} in {CONFIG})")
+    for key, what in VARIANTS.items():
+        if config.get(key):
+            raise ValueError(f"{where}: {what} is not supported ({key}={config[key]!r} in {CONFIG}); nanovllm applies "
+                             "plain LoRA, W x + B A x scaled")
+    # PEFT names a LoRA variant use_<name> or <name>_config: one nanovllm does not know may change the product
+    unknown = [key for key, value in config.items() if value and key not in PLAIN_FIELDS
+               and (key.startswith("use_") or key.endswith("_config"))]
+    if unknown:
+        raise ValueError(f"{where}: {unknown[0]}={config[unknown[0]]!r} in {CONFIG} selects a LoRA variant nanovllm "
+                         "does not know; it applies plain LoRA, W x + B A x scaled")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias={config['bias']!r}: trained biases are not supported (bias='none')")
     if config.get("alora_invocation_tokens"):  # (PEFT applies it only from the invocation tokens on)

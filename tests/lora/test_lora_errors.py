@@ -98,6 +98,20 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
          "init_lora_weights='olora'"),
         (adapter_copy(lora_attention, tmp_path / "loftq", 48, init_lora_weights="loftq"),
          "a LoftQ adapter applies to the base model LoftQ saved with it"),
+        # LoRA variants whose product is not the plain B A x (their factors' shapes may even look like another base's)
+        (adapter_copy(lora_attention, tmp_path / "qalora", 50, use_qalora=True, qalora_group_size=16),
+         r"QA-LoRA .* is not supported \(use_qalora=True"),
+        (adapter_copy(lora_attention, tmp_path / "kasa", 51, kasa_config={"beta": 1e-4, "gamma": 1e-3}),
+         "KaSA .* is not supported"),
+        (adapter_copy(lora_attention, tmp_path / "arrow", 52, arrow_config={"top_k": 3}), "Arrow .* is not supported"),
+        (adapter_copy(lora_attention, tmp_path / "lora_bias", 53, lora_bias=True), "a trained bias on lora_B"),
+        (adapter_copy(lora_attention, tmp_path / "tokens", 54, trainable_token_indices=[3, 4]),
+         "trained embedding rows"),
+        # a variant from a later PEFT, by PEFT's naming of them
+        (adapter_copy(lora_attention, tmp_path / "future", 55, use_foo=True),
+         "use_foo=True in adapter_config.json selects a LoRA variant nanovllm does not know"),
+        (adapter_copy(lora_attention, tmp_path / "future2", 56, bar_config={"k": 1}),
+         "bar_config=.* selects a LoRA variant nanovllm does not know"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -119,6 +133,27 @@ def test_lora_on_stacked_experts_is_refused_as_such(lora_attention, tmp_path):
     with pytest.raises(ValueError, match=r"\['gate_up_proj', 'down_proj'\] are this MoE model's stacked expert "
                                          "weights: LoRA on MoE experts is not supported"):
         read_adapter(request, SimpleNamespace(num_experts=4), 64)
+
+
+def test_block_diagonal_lora_is_refused_as_such(llm, qwen3_tied, tmp_path):
+    """A BD-LoRA adapter (PEFT's use_bdlora: block-diagonal A or B, stored as [r, in / blocks] or [out, r / blocks])
+    is refused as BD-LoRA, not as an adapter of another base model."""
+    from peft.tuners.lora.config import BdLoraConfig
+    path = make_adapter(qwen3_tied, tmp_path / "bdlora", 4, ["q_proj", "o_proj"], use_bdlora=BdLoraConfig(
+        target_modules_bd_a=["q_proj"], target_modules_bd_b=["o_proj"], nblocks=2))
+    with pytest.raises(ValueError, match=r"BD-LoRA \(block-diagonal A or B factors\) is not supported"):
+        llm.add_lora(LoRARequest("bd", 57, path))
+
+
+@pytest.mark.parametrize("variant", ["velora", "monteclora"])
+def test_variants_that_are_plain_lora_at_inference(llm, qwen3_tied, tmp_path, variant):
+    """VeLoRA and MonteCLoRA change only training (a compressed backward; Monte Carlo noise on A): PEFT serves them
+    as plain LoRA, and so does nanovllm, skipping the training state they save beside A and B."""
+    from peft.tuners.lora.config import MontecloraConfig, VeloraConfig
+    extra = {"velora_config": VeloraConfig()} if variant == "velora" else {"monteclora_config": MontecloraConfig()}
+    path = make_adapter(qwen3_tied, tmp_path / variant, 4, ["q_proj", "o_proj", "down_proj"], seed=3, **extra)
+    still_works(llm, qwen3_tied, LoRARequest(variant, 58, path))
+    llm.remove_lora(58)
 
 
 def test_use_rslora_null_reads_as_false(llm, lora_attention, tmp_path):
