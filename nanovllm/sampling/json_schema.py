@@ -24,6 +24,10 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depre
 COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
 NUMBER_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING_WORDS = ("minLength", "maxLength", "pattern", "format")
+# The string formats xgrammar turns into a grammar; any other format ("phone", "regex", "iri", ...) it lets every
+# string through for
+FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
+           "uri-template", "json-pointer", "relative-json-pointer"}
 # regex features xgrammar's JSON pattern reader takes as literal characters or cannot parse
 _PATTERN_UNSUPPORTED = re.compile(r"\(\?<?[=!]|\\[bB1-9]")
 _PY_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
@@ -126,6 +130,9 @@ def _check(root: dict, node, path: str):
     if len(shapes) > 1:
         _fail(f"{path}/{shapes[0]}", f"xgrammar enforces one of pattern, format and minLength/maxLength and ignores "
               f"the others; here {' and '.join(shapes)} (put the length into the pattern)")
+    if "format" in node and (not isinstance(node["format"], str) or node["format"] not in FORMATS):
+        _fail(f"{path}/format", f"xgrammar does not enforce format {node['format']!r:.40} (only "
+              f"{', '.join(sorted(FORMATS))}); use a pattern instead")
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _PATTERN_UNSUPPORTED.search(pattern):
         _fail(f"{path}/pattern", "xgrammar cannot enforce lookaround, word boundaries or backreferences in a pattern")
