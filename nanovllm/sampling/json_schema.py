@@ -24,6 +24,11 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depre
 COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
 NUMBER_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING_WORDS = ("minLength", "maxLength", "pattern", "format")
+# Array and object keywords xgrammar drops where it does not know the value is an array or object: without "type", it
+# takes the node for one only from the keywords beside them listed here, and otherwise lets any JSON value through
+ARRAY_WORDS, ARRAY_SHAPES = ("minItems", "maxItems"), ("items", "prefixItems", "unevaluatedItems")
+OBJECT_WORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
+OBJECT_SHAPES = ("properties", "additionalProperties", "unevaluatedProperties")
 # The string formats xgrammar turns into a grammar; any other format ("phone", "regex", "iri", ...) it lets every
 # string through for
 FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
@@ -120,6 +125,11 @@ def _check(root: dict, node, path: str):
     for key in NUMBER_WORDS:
         if key in node and not types & {"integer", "number"}:
             _fail(f"{path}/{key}", f"xgrammar enforces {key} only beside \"type\": \"integer\" or \"number\"")
+    for words, shapes, kind in ((ARRAY_WORDS, ARRAY_SHAPES, "array"), (OBJECT_WORDS, OBJECT_SHAPES, "object")):
+        for key in words:
+            if key in node and kind not in types and not any(k in node for k in shapes):
+                _fail(f"{path}/{key}", f"xgrammar enforces {key} only beside \"type\": \"{kind}\" (or "
+                      f"{'/'.join(shapes)}), and lets any value through here")
     if "multipleOf" in node and types & {"number"}:
         _fail(f"{path}/multipleOf", "xgrammar enforces multipleOf for integers only; use \"type\": \"integer\"")
     for key in STRING_WORDS:

@@ -599,6 +599,9 @@ REFUSED = {
                  '{"a":1,"z":1}', '{"a":1}'),
     "maxLength": ({**STR, "pattern": "^a+$", "maxLength": 3}, '"aa"', '"aaaa"'),
     "format": ({**STR, "format": "date", "pattern": "^2020"}, '"2020-01-02"', '"2021-01-02"'),
+    "minItems": ({"minItems": 2}, "[1,2]", "[1]"),
+    "maxProperties": ({"maxProperties": 1}, '{"a":1}', '{"a":1,"b":2}'),
+    "patternProperties": ({"patternProperties": {"^x": INT}}, '{"x":1}', '{"x":"s"}'),
     "format 'phone'": ({**STR, "format": "phone"}, '"+1 555 0100"', '"not a phone"'),
 }
 # (schema, accepted, refused): what xgrammar enforces, kept
@@ -609,6 +612,8 @@ ALLOWED = [
     ({**STR, "pattern": "^a+$"}, '"aa"', '"ab"'),
     ({**STR, "format": "date"}, '"2020-01-02"', '"ab"'),
     ({**STR, "format": "ipv4"}, '"10.0.0.1"', '"10.0.0"'),
+    ({"items": INT, "minItems": 2}, "[1,2]", "[1]"),  # no type: items tells xgrammar it is an array
+    ({"properties": {"a": INT, "b": INT}, "maxProperties": 1}, '{"a":1}', '{"a":1,"b":2}'),
     ({**ARR, "minItems": 2, "maxItems": 3}, "[1,2]", "[1]"),
     ({**OBJ, "required": ["a"], "additionalProperties": False}, '{"a":1}', '{"b":"x"}'),
     ({"type": "object", "patternProperties": {"^x": INT}, "minProperties": 1}, '{"x":1}', "{}"),
