@@ -109,6 +109,10 @@ def _check(root: dict, node, path: str):
             _fail(f"{path}/{key}", IGNORED[key])
     if node.get("uniqueItems") is True:
         _fail(f"{path}/uniqueItems", "xgrammar does not enforce uniqueItems")
+    ref = node.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        _fail(f"{path}/$ref", f"xgrammar follows only a local $ref ('#' or '#/...'), and lets any value through "
+              f"for {ref!r:.60}; put the schema under $defs and refer to it as '#/$defs/...'")
     combinators = [k for k in COMBINATORS if k in node]
     if combinators:
         siblings = sorted(k for k in node if k not in ANNOTATIONS and k not in COMBINATORS)

@@ -602,6 +602,7 @@ REFUSED = {
     "minItems": ({"minItems": 2}, "[1,2]", "[1]"),
     "maxProperties": ({"maxProperties": 1}, '{"a":1}', '{"a":1,"b":2}'),
     "patternProperties": ({"patternProperties": {"^x": INT}}, '{"x":1}', '{"x":"s"}'),
+    "local $ref": ({"$ref": "https://example.com/int.json"}, "1", '"a"'),
     "format 'phone'": ({**STR, "format": "phone"}, '"+1 555 0100"', '"not a phone"'),
 }
 # (schema, accepted, refused): what xgrammar enforces, kept
@@ -612,6 +613,7 @@ ALLOWED = [
     ({**STR, "pattern": "^a+$"}, '"aa"', '"ab"'),
     ({**STR, "format": "date"}, '"2020-01-02"', '"ab"'),
     ({**STR, "format": "ipv4"}, '"10.0.0.1"', '"10.0.0"'),
+    ({"type": "object", "properties": {"a": INT, "next": {"$ref": "#"}}}, '{"next":{"a":1}}', '{"next":{"a":"x"}}'),
     ({"items": INT, "minItems": 2}, "[1,2]", "[1]"),  # no type: items tells xgrammar it is an array
     ({"properties": {"a": INT, "b": INT}, "maxProperties": 1}, '{"a":1}', '{"a":1,"b":2}'),
     ({**ARR, "minItems": 2, "maxItems": 3}, "[1,2]", "[1]"),
