@@ -64,7 +64,11 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
             group.sort(key=lambda b: b.cum_logprob, reverse=True)
             live[i] = []
             for beam in group[:params.beam_width]:  # a beam at max_model_len can grow no more: finished there
-                (done[i] if len(beam.tokens) >= max_len else live[i]).append(beam)
+                if len(beam.tokens) >= max_len:
+                    beam.finish_reason = "length"
+                    done[i].append(beam)
+                else:
+                    live[i].append(beam)
     results = []
     for i in range(len(prompts)):
         for beam in live[i]:

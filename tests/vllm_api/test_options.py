@@ -171,6 +171,9 @@ def test_beam_search_arguments(tiny, model):
     out = tiny.beam_search([{"prompt_token_ids": [3, 1, 4]}], BeamSearchParams(beam_width=1, max_tokens=6,
                                                                                 ignore_eos=True))[0]
     assert out.sequences[0].tokens == [3, 1, 4] + hf_greedy(model, [3, 1, 4], 6)  # width 1: greedy
+    # beams that reach max_model_len (256) stop there, as cut by a length
+    out = tiny.beam_search([[5] * 250], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
+    assert [(len(s.tokens), s.finish_reason) for s in out.sequences] == [(256, "length")] * 2
     _serves(tiny, model)
 
 
