@@ -213,5 +213,6 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            # (NaN would make every score NaN, and the beams come back in no order)
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
