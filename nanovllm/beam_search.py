@@ -34,6 +34,10 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    vocab = llm.requests.vocab_size
+    if 2 * params.beam_width > vocab:  # each step ranks 2 * beam_width candidates per beam
+        raise ValueError(f"beam_width={params.beam_width}: beam search ranks 2 * beam_width candidates a step, more "
+                         f"than the vocabulary's {vocab} tokens; use beam_width <= {vocab // 2}")
     eos = set(llm.config.eos_token_ids)
     max_len = llm.config.max_model_len
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,

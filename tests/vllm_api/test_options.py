@@ -169,6 +169,8 @@ def test_beam_search_arguments(tiny, model):
         tiny.beam_search([[1, 2]], GREEDY)
     with pytest.raises(ValueError, match="lora_request"):
         tiny.beam_search([[1, 2]], BeamSearchParams(2, 2), lora_request=object())
+    with pytest.raises(ValueError, match="beam_width=201: .* use beam_width <= 200"):  # the vocabulary has 400
+        tiny.beam_search([[1, 2]], BeamSearchParams(201, 2))
     out = tiny.beam_search([{"prompt_token_ids": [3, 1, 4]}], BeamSearchParams(beam_width=1, max_tokens=6,
                                                                                 ignore_eos=True))[0]
     assert out.sequences[0].tokens == [3, 1, 4] + hf_greedy(model, [3, 1, 4], 6)  # width 1: greedy
