@@ -130,8 +130,10 @@ def _schema(value) -> dict:
 def as_structured_outputs(value) -> "StructuredOutputsParams | None":
     """SamplingParams.structured_outputs as given: None, a StructuredOutputsParams, or a dict of its fields (Ray rows,
     where a field a row lacks comes as None)."""
-    if value is None or isinstance(value, StructuredOutputsParams):
+    if value is None:
         return value
+    if isinstance(value, StructuredOutputsParams):  # rebuilt: a field set after construction is checked too
+        return StructuredOutputsParams(**{name: getattr(value, name) for name in KINDS + ("disable_any_whitespace",)})
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
         if unknown:

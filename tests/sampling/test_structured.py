@@ -98,6 +98,22 @@ def test_sampling_params_take_a_dict_and_refuse_min_tokens():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
 
 
+def test_fields_set_after_construction_are_checked_at_the_request(llm):
+    """As SamplingParams' own fields: a spec changed after it was made is checked again when the request is made."""
+    sp = _sp(StructuredOutputsParams(json={"type": "integer"}))
+    sp.structured_outputs.json = {"type": "integer", "not": {"type": "integer"}}  # xgrammar would drop the not
+    with pytest.raises(ValueError, match="'not'"):
+        llm.generate([[5, 6]], sp, use_tqdm=False)
+    sp = _sp(StructuredOutputsParams(regex="[a-z]+"))
+    sp.structured_outputs.choice = ["yes", "no"]  # two kinds: one of them would be dropped
+    with pytest.raises(ValueError, match="got regex and choice"):
+        llm.generate([[5, 6]], sp, use_tqdm=False)
+    spec = StructuredOutputsParams(regex="[a-z]+")
+    sp = _sp(spec)
+    spec.regex = "[0-9]"  # the request's spec is a copy, as its schema dict is
+    assert sp.structured_outputs.regex == "[a-z]+"
+
+
 def test_ray_rows_with_structured_outputs(qwen3_tied):
     """A Ray Data batch as an actor gets it (no Ray needed): an Arrow table whose sampling_params struct has None
     for the fields a row lacks; its structured_outputs a struct inside it."""
