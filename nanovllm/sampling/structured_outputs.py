@@ -127,6 +127,15 @@ def _schema(value) -> dict:
     raise TypeError(f"json must be a JSON schema (dict or str) or a pydantic model class, got {type(value).__name__}")
 
 
+# A Lark rule definition: "name:", "?name:", "!name:" or "name.2:" at the start of a line
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.-?\d+)?\s*:", re.MULTILINE)
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is Lark rather than EBNF: EBNF rules are written with ::=, Lark's with a colon."""
+    return "::=" not in grammar and _LARK_RULE.search(grammar) is not None
+
+
 def as_structured_outputs(value) -> "StructuredOutputsParams | None":
     """SamplingParams.structured_outputs as given: None, a StructuredOutputsParams, or a dict of its fields (Ray rows,
     where a field a row lacks comes as None)."""
@@ -220,6 +229,8 @@ class GrammarCompiler:
         if kind == "choice":  # EBNF string literals take JSON's escapes
             options = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return compiler.compile_grammar(f"root ::= {options}")
+        if is_lark(params.grammar):  # vLLM takes Lark grammars too (its structured-outputs examples use them)
+            return compiler.compile_lark(params.grammar)
         return compiler.compile_grammar(params.grammar)
 
     def matcher(self, params: StructuredOutputsParams) -> SequenceGrammar:

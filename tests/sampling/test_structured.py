@@ -182,6 +182,17 @@ def test_finite_grammar_always_completes(llm, reference):
             _assert_allowed(reference, compiled, out["token_ids"], "stop")
 
 
+def test_lark_grammar_as_vllm_takes_it(llm, reference):
+    lark = 'start: "(" DIGIT DIGIT? ")" " " answer\nanswer: "yes" | "no"\nDIGIT: /[0-9]/'
+    compiled = reference[0].compile_lark(lark)
+    params = [_sp(StructuredOutputsParams(grammar=lark), temperature=1.0, seed=s, max_tokens=12) for s in range(3)]
+    for out in llm.generate(_prompts(2, [3, 8, 20]), params, use_tqdm=False):
+        assert re.fullmatch(PARENS_RE, out["text"]) and out["finish_reason"] == "stop", out["text"]
+        _assert_allowed(reference, compiled, out["token_ids"], "stop")
+    with pytest.raises(ValueError, match="cannot be compiled"):  # a Lark grammar with an error is refused too
+        llm.generate([[1]], _sp(StructuredOutputsParams(grammar="start: undefined_rule")), use_tqdm=False)
+
+
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_every_token_is_allowed_by_an_independent_matcher(llm, reference, temperature):
     compiler = reference[0]
