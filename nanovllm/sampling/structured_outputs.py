@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TypeVar
 
 from nanovllm.sampling.json_schema import check_schema
@@ -142,7 +142,7 @@ def as_structured_outputs(value) -> "StructuredOutputsParams | None":
     if value is None:
         return value
     if isinstance(value, StructuredOutputsParams):  # rebuilt: a field set after construction is checked too
-        return StructuredOutputsParams(**{name: getattr(value, name) for name in KINDS + ("disable_any_whitespace",)})
+        return StructuredOutputsParams(**{f.name: getattr(value, f.name) for f in fields(value)})
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
         if unknown:
@@ -230,6 +230,9 @@ class GrammarCompiler:
             options = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return compiler.compile_grammar(f"root ::= {options}")
         if is_lark(params.grammar):  # vLLM takes Lark grammars too (its structured-outputs examples use them)
+            if not hasattr(compiler, "compile_lark"):
+                raise ValueError("a Lark grammar (rules written 'name: ...') needs xgrammar 0.2.6 or later: pip "
+                                 "install -U xgrammar, or write it in EBNF ('root ::= ...')")
             return compiler.compile_lark(params.grammar)
         return compiler.compile_grammar(params.grammar)
 

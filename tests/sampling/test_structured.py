@@ -193,6 +193,16 @@ def test_lark_grammar_as_vllm_takes_it(llm, reference):
         llm.generate([[1]], _sp(StructuredOutputsParams(grammar="start: undefined_rule")), use_tqdm=False)
 
 
+def test_lark_grammar_on_an_xgrammar_without_lark(llm, monkeypatch):
+    """xgrammar reads Lark from 0.2.6 on; an older one (the extra allows 0.1.27) gets advice, not an AttributeError."""
+    import xgrammar
+    monkeypatch.delattr(xgrammar.GrammarCompiler, "compile_lark")
+    with pytest.raises(ValueError, match="a Lark grammar .* needs xgrammar 0.2.6 or later"):
+        llm.generate([[1]], _sp(StructuredOutputsParams(grammar='start: "a" | "b"')), use_tqdm=False)
+    assert llm.generate([[1]], _sp(StructuredOutputsParams(grammar='root ::= "a" | "b"')),
+                        use_tqdm=False)[0]["text"] in ("a", "b")
+
+
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_every_token_is_allowed_by_an_independent_matcher(llm, reference, temperature):
     compiler = reference[0]
