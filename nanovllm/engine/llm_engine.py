@@ -204,6 +204,10 @@ class LLMEngine:
         self._request_ids = itertools.count()  # RequestOutput.request_id, as vLLM counts them
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token of each id seen, decoded once
         self._pending = None  # async scheduling: the decode step launched and not yet settled
+        # async scheduling: a step whose settle raised (a KeyboardInterrupt while waiting for the device): its
+        # tokens are still on the device, and the next step reads them first (sampling it again would draw a seeded
+        # request's next numbers, and leave its placeholders in the output)
+        self._unsettled = None
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
         # sleep(level=2) or a weight update that failed while writing: the weights are not a whole set until an
         # update_weights sends every one (the value says why, for the error)
@@ -226,7 +230,7 @@ class LLMEngine:
 
     def _check_idle(self, what: str):
         """(Under _exclusive.) Refuse `what` while requests are queued or running."""
-        if self._pending is not None or not self.scheduler.is_finished():
+        if not self.is_finished():
             raise RuntimeError(f"{what}() called while requests are running (requests added with add_request and "
                                "not finished); finish or abandon them first")
 
@@ -458,6 +462,9 @@ class LLMEngine:
         schedules and prepares N+1 while the device computes N. N+1 takes the inputs N sampled on the device;
         placeholders stand for them in the sequences until N is settled. A sequence that N ends still runs
         (uselessly) in N+1."""
+        if self._unsettled is not None:
+            unsettled = self._unsettled
+            return self._settle(unsettled), _num_tokens(unsettled.batch)
         pending, scheduler = self._pending, self.scheduler
         if pending is not None and scheduler.can_prefill():  # a prefill comes next: it needs the real tokens
             return self._settle(), _num_tokens(pending.batch)
@@ -484,7 +491,13 @@ class LLMEngine:
         """Wait for a launched step's tokens and apply them."""
         if step is None or step is self._pending:
             step, self._pending = self._pending, None
-        return self._apply(step.batch, self.executor.settle(step))
+        try:
+            out = self.executor.settle(step)
+        except BaseException:
+            self._unsettled = step
+            raise
+        self._unsettled = None
+        return self._apply(step.batch, out)
 
     def _apply(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         updated = self.scheduler.postprocess(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
@@ -542,7 +555,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self._pending is None
+        return self.scheduler.is_finished() and self._pending is None and self._unsettled is None
 
     def _text(self, seq: Sequence) -> str:
         if seq.detokenizer is not None:
@@ -640,7 +653,8 @@ class LLMEngine:
                 yield updated
         finally:
             bar.close()
-            self._pending = None  # a step still in flight only touches these sequences' (now freed) blocks
+            # steps still in flight only touch these sequences' (now freed) blocks
+            self._pending = self._unsettled = None
             for seq in seqs:  # leave the engine clean for the next call
                 if not seq.is_finished:
                     self.scheduler.abort(seq)

@@ -154,3 +154,29 @@ def test_stop_strings_wait_for_min_tokens(qwen3_tied):
                    for a in (False, True)]
         _same(results[1], results[0])
         assert all(len(o["token_ids"]) >= min_tokens for o in results[1])
+
+
+def test_step_after_a_failed_settle_reads_the_step_again(qwen3_tied):
+    """A settle that raises (a KeyboardInterrupt while waiting for the device) let its step go: its placeholders
+    stayed in the output as token -1, and a later step found nothing to schedule. The step's tokens are still on
+    the device: the next step() reads them, and every sample, seeded ones too, gets a fresh engine's tokens."""
+    from unittest import mock
+
+    import pytest
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)]
+    prompts = _prompts(6, [20, 36])
+    llm = LLM(qwen3_tied, kvcache_block_size=16, async_scheduling=True)
+    want = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+    for fail_at in (2, 4, 6):  # decode steps with the next one in flight, up to near the end
+        firsts = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        samples = [[seq, *seq.forks] for seq in firsts]
+        for _ in range(fail_at):
+            llm.step()
+        with mock.patch.object(llm.executor, "settle", side_effect=KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                llm.step()
+        while not llm.is_finished():
+            llm.step()
+        assert [[s.completion_token_ids for s in ss] for ss in samples] == want
+        assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
