@@ -696,6 +696,10 @@ class LLMEngine:
 
     def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
         with self._exclusive("stream"):  # (entered at the first next(): creating a stream holds nothing)
+            # its adapters once more: a remove_lora since stream() forgot one (read again now) or gave its id to
+            # another adapter (ValueError), which the stream's requests would otherwise have run under
+            firsts = [samples[0] for samples in requests]
+            self._set_adapters(firsts, [seq.lora_request for seq in firsts])
             yield from self._stream_items(requests, use_tqdm)
 
     def _stream_items(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:

@@ -212,3 +212,23 @@ def test_requests_behind_one_waiting_for_a_slot_go_first(qwen3_tied, lora_attent
             llm.step()
         for seq, prompt, lora in zip(seqs, prompts, loras):
             assert seq.completion_token_ids == expected(qwen3_tied, prompt, lora)
+
+
+def test_a_stream_made_before_remove_lora_runs_under_its_own_adapter(qwen3_tied, lora_attention, lora_mixed):
+    """stream() registers its adapters, but holds the engine only from its first item: a remove_lora in between
+    made reading it raise a bare KeyError, and an add_lora giving the id to another adapter made it run under that
+    one, silently. It reads its adapter again, or is refused naming the id."""
+    from nanovllm import LoRARequest
+    prompt = prompts_of(18, [11])[0]
+    with LLM(qwen3_tied, enable_lora=True, max_loras=1, kvcache_block_size=16) as llm:
+        stream = llm.stream([prompt], GREEDY, lora_request=lora_attention)
+        assert llm.remove_lora(lora_attention.lora_int_id)
+        tokens = [t for item in stream for t in item["token_ids"]]
+        assert tokens == expected(qwen3_tied, prompt, lora_attention)
+        stream = llm.stream([prompt], GREEDY, lora_request=lora_attention)
+        assert llm.remove_lora(lora_attention.lora_int_id)
+        other = LoRARequest("other", lora_attention.lora_int_id, lora_mixed.lora_path)
+        assert llm.add_lora(other)
+        with pytest.raises(ValueError, match=f"lora_int_id {other.lora_int_id} already names adapter 'other'"):
+            next(stream)
+        check(llm, qwen3_tied, [prompt], [other])  # (the engine unharmed)
