@@ -281,6 +281,8 @@ class DataParallelLLM(Frontend):
         """The next message of replica `rank` (None after `timeout` seconds); a death or a crash report becomes
         ReplicaError (and a shutdown)."""
         conn, process = self.conns[rank], self.processes[rank]
+        if self._exclusive.closed:  # exit() from another thread: the pipes are closed or being drained by it
+            raise self._exclusive.shut_down_meanwhile()
         ready = connection.wait([conn, process.sentinel], timeout)
         if not ready:
             return None
@@ -292,6 +294,8 @@ class DataParallelLLM(Frontend):
                 message = None
             if message is not None and message[1] != "error":
                 return message
+            if self._exclusive.closed:  # (exit() from another thread stopped the replica)
+                raise self._exclusive.shut_down_meanwhile()
             if message is not None:
                 self._fail(f"data-parallel replica {rank} raised:\n{message[2]}", message[3])
             process.join(5.0)  # the pipe closed: the replica is exiting
@@ -330,7 +334,9 @@ class DataParallelLLM(Frontend):
     def _messages(self, call: int) -> Iterator[tuple[int, tuple]]:
         """(rank, message) of `call` as they come, until every replica on it has sent its final message; messages of
         ended calls are dropped."""
-        while any(c == call for c in self._open.values()):
+        while any(c == call for c in self._open.values()) or self._exclusive.closed:
+            if self._exclusive.closed:  # (exit() empties _open: the call would seem to end, its answers cut short)
+                raise self._exclusive.shut_down_meanwhile()
             ranks = [r for r, c in self._open.items() if c == call]
             connection.wait([self.conns[r] for r in ranks] + [self.processes[r].sentinel for r in ranks])
             for rank in ranks:
@@ -338,7 +344,7 @@ class DataParallelLLM(Frontend):
                 if message is None or message[0] != call:
                     continue
                 if message[1] in FINAL:
-                    del self._open[rank]
+                    self._open.pop(rank, None)  # (exit() from another thread may have emptied it meanwhile)
                 yield rank, message
 
     def _end_calls(self):

@@ -27,3 +27,8 @@ class CallGuard:
             yield
         finally:
             self._lock.release()
+
+    def shut_down_meanwhile(self) -> RuntimeError:
+        """The error of a call during which exit() ran (from another thread): its requests were cancelled."""
+        return RuntimeError("this LLM was shut down (exit(), from another thread or while a stream was open) while the "
+                            "call ran; its requests were cancelled")

@@ -433,8 +433,13 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[Sequence], int]:
         try:
+            if self._exclusive.closed:  # (exit() from another thread: the executor is gone)
+                raise self._exclusive.shut_down_meanwhile()
             return self._step_once()
-        except BaseException:
+        except BaseException as e:
+            if self._exclusive.closed and isinstance(e, Exception) and not isinstance(e, RuntimeError):
+                # (the executor went while the step ran; a KeyboardInterrupt stays one)
+                raise self._exclusive.shut_down_meanwhile() from e
             if self.scheduler.lora is not None:  # a slot's load may not have run: refill before using any
                 self.scheduler.lora.forget()
             raise

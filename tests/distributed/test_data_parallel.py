@@ -408,3 +408,15 @@ def test_lora_through_replicas(qwen3_tied, lora_attention, lora_mixed, tmp_path,
         assert llm.add_lora(lora_mixed) and llm.list_loras() == {1, 2}
         again = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_exit_while_a_call_runs_gives_it_a_clear_error(chat_model, deadline):
+    """exit() from another thread or while a stream is open: the running call raised KeyError (exit() had emptied
+    the front's books of open calls). It says the LLM was shut down, and no replica is left."""
+    with LLM(chat_model, data_parallel_size=2, **OPTIONS) as llm:
+        stream = llm.stream(_prompts(12, 4), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        next(stream)
+        llm.exit()
+        with pytest.raises(RuntimeError, match="shut down .* while the call ran"):
+            list(stream)
+        assert not any(p.is_alive() for p in llm.processes)

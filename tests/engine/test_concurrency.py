@@ -96,3 +96,28 @@ def test_step_and_add_request_take_their_turn(llm, qwen3_tied):
     while not seq.is_finished:
         llm.step()
     assert seq.completion_token_ids == hf_greedy(qwen3_tied, [4, 5, 6], 12)
+
+
+def test_exit_while_a_call_runs_gives_it_a_clear_error(qwen3_tied):
+    """exit() from another thread (a watchdog, a server shutting down) or while a stream is open: the running call
+    raised AttributeError ('NoneType' object has no attribute 'run'). It says the LLM was shut down."""
+    from unittest import mock
+    prompts = _prompts(10, 2)
+    with LLM(qwen3_tied, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        stream = llm.stream(prompts, GREEDY)
+        next(stream)
+        llm.exit()
+        with pytest.raises(RuntimeError, match="shut down .* while the call ran"):
+            list(stream)
+    with LLM(qwen3_tied, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        real_run = llm.executor.run
+
+        def run_then_exit(batch):  # another thread's exit() lands while this step runs
+            out = real_run(batch)
+            other = threading.Thread(target=llm.exit)
+            other.start()
+            other.join()
+            return out
+        with mock.patch.object(llm.executor, "run", side_effect=run_then_exit):
+            with pytest.raises(RuntimeError, match="shut down .* while the call ran"):
+                llm.generate(prompts, GREEDY, use_tqdm=False)
