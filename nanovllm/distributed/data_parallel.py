@@ -28,7 +28,7 @@ from multiprocessing import connection, get_context
 from nanovllm.config import Config
 from nanovllm.distributed.process import leave_now
 from nanovllm.distributed.tensor_parallel import SPAWN_HINT
-from nanovllm.engine.call_guard import CallGuard
+from nanovllm.engine.call_guard import CallGuard, Stream
 from nanovllm.engine.llm_engine import StreamDeltas, check_awake, default_sampling_params
 from nanovllm.engine.requests import RequestChecker, as_request_lists
 from nanovllm.frontend import Frontend
@@ -434,7 +434,8 @@ class DataParallelLLM(Frontend):
                use_tqdm: bool = False, lora_request=None) -> Iterator[dict]:
         """As LLM.stream: deltas from every replica as they come, "index" being the prompt's position in the call.
         Requests are checked here; the stream holds the engine from its first item until exhausted or closed."""
-        return self._stream(self._check_requests(prompts, sampling_params, lora_request))
+        checked = self._check_requests(prompts, sampling_params, lora_request)
+        return Stream(lambda: self._stream(checked))
 
     def _stream(self, checked: list[tuple]) -> Iterator[dict]:
         with self._exclusive("stream"):

@@ -3,7 +3,12 @@ the call that is running; a second caller meanwhile, from another thread or from
 open, would interleave with it. The second caller is refused at once: waiting could deadlock a thread on its own
 stream."""
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+
+class Busy(RuntimeError):
+    """Refused at once: another call holds the engine."""
 
 
 class CallGuard:
@@ -19,7 +24,7 @@ class CallGuard:
         if self.closed:
             raise RuntimeError(f"{what}(): this LLM has been shut down")
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"{what}() called while another call is using this engine (another thread, or a "
+            raise Busy(f"{what}() called while another call is using this engine (another thread, or a "
                                "stream that has started and is not finished or closed). One LLM serves one caller "
                                "at a time: finish or close the stream first, or give each thread its own LLM, or use "
                                "data_parallel_size for replicas behind one LLM")
@@ -32,3 +37,28 @@ class CallGuard:
         """The error of a call during which exit() ran (from another thread): its requests were cancelled."""
         return RuntimeError("this LLM was shut down (exit(), from another thread or while a stream was open) while the "
                             "call ran; its requests were cancelled")
+
+
+class Stream:
+    """What stream() returns: its items, from a generator made by `start`. A first read refused because another call
+    holds the engine leaves the stream as it was made, so a later read starts it (the generator itself would have
+    ended with the refusal, and a retry would have yielded nothing, silently)."""
+
+    def __init__(self, start: Callable[[], Iterator[dict]]):
+        self._start, self._items, self._started = start, start(), False
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> dict:
+        try:
+            item = next(self._items)
+        except Busy:
+            if not self._started:
+                self._items = self._start()
+            raise
+        self._started = True
+        return item
+
+    def close(self):
+        self._items.close()

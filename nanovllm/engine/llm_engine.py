@@ -14,7 +14,7 @@ from nanovllm.checkpoint.loader import check_tokenizer_files, load_generation_co
 from nanovllm.config import Config
 from nanovllm.distributed.executor import Executor, UniprocExecutor
 from nanovllm.engine.batch import ScheduledBatch, StepOutput
-from nanovllm.engine.call_guard import CallGuard
+from nanovllm.engine.call_guard import CallGuard, Stream
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_after, find_stop, stop_holdback
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
@@ -697,7 +697,7 @@ class LLMEngine:
         Requests are checked here, when stream() is called. The stream holds the engine from its first item until it
         is exhausted or closed: meanwhile another call (another stream's first item included) raises RuntimeError."""
         requests = self._make_requests(prompts, sampling_params, True, lora_request)
-        return self._stream(requests, use_tqdm)
+        return Stream(lambda: self._stream(requests, use_tqdm))
 
     def _stream(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[dict]:
         with self._exclusive("stream"):  # (entered at the first next(): creating a stream holds nothing)

@@ -121,3 +121,15 @@ def test_exit_while_a_call_runs_gives_it_a_clear_error(qwen3_tied):
         with mock.patch.object(llm.executor, "run", side_effect=run_then_exit):
             with pytest.raises(RuntimeError, match="shut down .* while the call ran"):
                 llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_a_stream_refused_as_busy_can_be_read_later(llm, qwen3_tied):
+    """A stream whose first read was refused (another stream open) and that is read again once the engine is free
+    yielded nothing, silently (the refusal had ended its generator). It runs whole."""
+    a, b = _prompts(11, 2)
+    s1, s2 = llm.stream([a], GREEDY), llm.stream([b], GREEDY)
+    next(s1)
+    with pytest.raises(RuntimeError, match=BUSY):
+        next(s2)
+    s1.close()
+    assert [t for item in s2 for t in item["token_ids"]] == hf_greedy(qwen3_tied, b, 12)
