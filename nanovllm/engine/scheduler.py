@@ -169,6 +169,8 @@ class Scheduler:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.WAITING
+            if seq.needs_prompt_logprobs:  # its earlier chunks' scores: the prompt is scored again from its start
+                seq.prompt_logprobs = []
         at = 1 if self.waiting and self.waiting[0].block_table else 0  # (behind a prompt still mid-prefill)
         for seq in reversed(back):
             self.waiting.insert(at, seq)

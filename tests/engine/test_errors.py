@@ -382,3 +382,16 @@ def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
                 [[o.token_ids for o in out.outputs] for out in want]
             assert len(samples[1][0].prompt_logprobs) == len(want[1].prompt_logprobs)
             assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+        # a prompt with prompt_logprobs whose last chunk fails: its first chunk's scores are not kept twice
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+        long = list(range(3, 103))  # two chunks of at most 64 tokens
+        want = llm.generate([long], sp, use_tqdm=False)[0]
+        seq = llm.add_request(long, sp)
+        llm.step()
+        with mock.patch.object(llm.executor, "run", side_effect=KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                llm.step()
+        while not llm.is_finished():
+            llm.step()
+        assert seq.completion_token_ids == want.outputs[0].token_ids
+        assert seq.prompt_logprobs == want.prompt_logprobs
