@@ -1,6 +1,7 @@
 """What LLM and the data-parallel front share on top of their generate(): chat, beam search, and the accessors vLLM
 scripts and tools read (get_tokenizer, get_default_sampling_params, llm_engine.model_config)."""
 import copy
+import json
 from dataclasses import dataclass
 
 from nanovllm.beam_search import BeamSearchOutput, beam_search
@@ -151,4 +152,30 @@ def _message(message, where: str, content_format: str) -> Message:
             message = {**message, "content": "\n".join(part["text"] for part in content)}
     elif not isinstance(content, str) and not (content is None and message.get("tool_calls")):
         raise ValueError(f"{where} must have a str 'content' (or a list of text parts); got {message!r:.80}")
+    if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+        message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}
+        if not message["tool_calls"]:
+            del message["tool_calls"]  # (vLLM's: an empty list keeps the template on the plain assistant path)
     return message
+
+
+def _tool_calls(tool_calls: list, where: str) -> list:
+    """An assistant message's tool calls as templates expect them (vLLM's _postprocess_messages): OpenAI's
+    `function.arguments` is a JSON string, which templates would write out as a quoted string (`arguments | tojson`),
+    so it is parsed into a dict ({} where it is not JSON). Copies: the caller's messages stay as they were."""
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ValueError(f"{where}: a tool call must be a dict with a 'function' dict, e.g. {{'type': 'function', "
+                             f"'function': {{'name': 'f', 'arguments': '{{}}'}}}}; got {call!r:.80}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            arguments = {}
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out

@@ -129,3 +129,18 @@ def test_text_parts_are_joined_by_newlines_or_passed_as_parts(llm):
     parts_template = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}")
     out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=parts_template, chat_template_content_format="openai")
     assert out[0].prompt == "[Hello][world!]"
+
+
+def test_tool_call_arguments_reach_the_template_as_a_dict(llm):
+    """OpenAI's tool calls carry their arguments as a JSON string; templates write `arguments | tojson`, so vLLM
+    parses them first (_postprocess_messages): the prompt holds {"x": 1}, not the quoted string "{\\"x\\": 1}"."""
+    template = ("{% for m in messages %}{{ m['role'] }}:{% for t in m.tool_calls or [] %}{{ t.function.name }}"
+                "{{ t.function.arguments | tojson }}{% endfor %}{{ m['content'] or '' }};{% endfor %}")
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    broken = {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}}
+    conversation = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [call, broken]},
+                    {"role": "tool", "tool_call_id": "1", "content": "2"}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == 'user:hi;assistant:f{"x": 1}g{};tool:2;'
+    assert call["function"]["arguments"] == '{"x": 1}'  # the caller's message is left as it was
