@@ -148,10 +148,20 @@ def _message(message, where: str, content_format: str) -> Message:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}: a content part must be {{'type': 'text', 'text': str}} (nanovllm serves "
                                  f"text-only models); got {part!r:.80}")
-        if content_format != "openai":
-            message = {**message, "content": "\n".join(part["text"] for part in content)}
-    elif not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+        texts = [part["text"] for part in content]
+    elif isinstance(content, str):
+        texts = [content]
+    elif content is None and message.get("tool_calls"):
+        texts = []  # (vLLM's: no content is an empty one, "" or no parts; a template would write None as "None")
+    else:
         raise ValueError(f"{where} must have a str 'content' (or a list of text parts); got {message!r:.80}")
+    # vLLM's content formats: "string" joins the text parts by newlines; "openai" hands the template every content as
+    # parts, a str one included (a template that loops over the parts would loop over a str's characters), except a
+    # tool result's, which vLLM keeps a str as most templates expect
+    if content_format == "openai" and message["role"] != "tool":
+        message = {**message, "content": [{"type": "text", "text": text} for text in texts]}
+    else:
+        message = {**message, "content": "\n".join(texts)}
     if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
         message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}
         if not message["tool_calls"]:

@@ -144,3 +144,20 @@ def test_tool_call_arguments_reach_the_template_as_a_dict(llm):
     out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template)[0]
     assert out.prompt == 'user:hi;assistant:f{"x": 1}g{};tool:2;'
     assert call["function"]["arguments"] == '{"x": 1}'  # the caller's message is left as it was
+
+
+def test_openai_format_gives_every_content_as_parts(llm):
+    """With chat_template_content_format="openai" vLLM hands the template a str content as one text part too (a
+    template that loops over the parts would otherwise loop over the characters and write nothing); a tool result
+    stays a str, and an assistant's missing content (a tool call) is empty, "" or no parts, not None."""
+    parts_template = ("{% for m in messages %}{{ m['role'] }}:{% if m['content'] is string %}{{ m['content'] }}"
+                      "{% else %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %};{% endfor %}")
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversation = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=parts_template,
+                   chat_template_content_format="openai")[0]
+    assert out.prompt == "user:[Hello];assistant:;tool:a\nb;"
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=parts_template,
+                   chat_template_content_format="string")[0]
+    assert out.prompt == "user:Hello;assistant:;tool:a\nb;"
