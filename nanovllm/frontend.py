@@ -88,6 +88,8 @@ class Frontend:
         if tools is not None:
             options["tools"] = tools
         options.update(chat_template_kwargs or {})
+        if chat_template_content_format == "auto":
+            chat_template_content_format = self._content_format(chat_template, tools)
         prompts = [self._render_chat(c, options) for c in _conversations(messages, chat_template_content_format)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
@@ -112,6 +114,15 @@ class Frontend:
         # The template already wrote any BOS it wants; encoding must not add another.
         return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
 
+    def _content_format(self, chat_template: str | None, tools: list | None) -> str:
+        """vLLM's "auto" content format: "openai" for a template that loops over a message's content parts, else
+        "string" (and "string" where there is no template to read: rendering then says what is missing)."""
+        try:
+            template = self.tokenizer.get_chat_template(chat_template, tools=tools)
+        except (ValueError, TypeError, AttributeError):
+            return "string"
+        return _detect_content_format(template)
+
     def beam_search(self, prompts: list, params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: the `params.beam_width` most likely continuations of each prompt (a str, token
@@ -122,8 +133,8 @@ class Frontend:
 
 def _conversations(messages, content_format: str = "auto") -> list[Conversation]:
     """One conversation or a list of them, validated, as a list of conversations: a message's text parts joined by
-    newlines (vLLM's "string" content format, which "auto" is for text-only templates), or kept as a list of parts
-    for the template ("openai")."""
+    newlines (vLLM's "string" content format; chat() resolves "auto" from the template), or as a list of parts for
+    the template ("openai")."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts, "
                          f"or a list of such lists; got {messages!r:.80}")
@@ -189,3 +200,39 @@ def _tool_calls(tool_calls: list, where: str) -> list:
             arguments = {}
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+def _detect_content_format(template: str) -> str:
+    """"openai" where the template loops over the content of a message, `{% for part in message['content'] %}`, with
+    `message` a loop variable over `messages` (or over a variable set from it, like `loop_messages`), as vLLM's
+    _detect_content_format reads the template; "string" otherwise, or where the template does not parse."""
+    from jinja2 import TemplateError, nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # (its extensions parse its tags)
+
+    try:
+        ast = _compile_jinja_template(template).environment.parse(template)
+    except TemplateError:
+        return "string"
+
+    def reads(node, name: str, key: str | None = None) -> bool:
+        """node reads `name` (key None) or `name[key]` / `name.key`, through filters, tests and slices."""
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                                and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        if key is None:
+            return isinstance(node, nodes.Name) and node.name == name
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == key and reads(node.node, name)
+        return isinstance(node, nodes.Getattr) and node.attr == key and reads(node.node, name)
+
+    lists = {"messages"}  # messages and the variables set from it
+    grew = True
+    while grew:
+        found = {a.target.name for a in ast.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)
+                 and any(reads(a.node, name) for name in lists)}
+        grew = not found <= lists
+        lists |= found
+    loops = list(ast.find_all(nodes.For))
+    items = {f.target.name for f in loops if isinstance(f.target, nodes.Name)
+             and any(reads(f.iter, name) for name in lists)}
+    return "openai" if any(reads(f.iter, item, "content") for f in loops for item in items) else "string"

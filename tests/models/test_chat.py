@@ -161,3 +161,17 @@ def test_openai_format_gives_every_content_as_parts(llm):
     out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=parts_template,
                    chat_template_content_format="string")[0]
     assert out.prompt == "user:Hello;assistant:;tool:a\nb;"
+
+
+def test_auto_content_format_follows_the_template(llm):
+    """vLLM's "auto" reads the template: one that loops over a message's content gets parts ("openai"), one that
+    writes the content as a str gets a str ("string")."""
+    parts_template = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    for content in ("Hello", [{"type": "text", "text": "Hello"}]):
+        out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False, chat_template=parts_template)
+        assert out[0].prompt == "[Hello]"
+    # the same through a variable set from messages and a filter, as Gemma's and Llama 4's templates write it
+    sliced = ("{% set rest = messages[0:] %}{% for m in rest %}{% for p in m.content | list %}<{{ p.text }}>"
+              "{% endfor %}{% endfor %}")
+    assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=sliced)[0].prompt \
+        == "<Hi>"
