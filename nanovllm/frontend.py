@@ -207,10 +207,14 @@ def _detect_content_format(template: str) -> str:
     `message` a loop variable over `messages` (or over a variable set from it, like `loop_messages`), as vLLM's
     _detect_content_format reads the template; "string" otherwise, or where the template does not parse."""
     from jinja2 import TemplateError, nodes
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # (its extensions parse its tags)
-
+    try:  # transformers' environment: its extensions parse its own tags ({% generation %})
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        environment = _compile_jinja_template(template).environment
+    except (ImportError, TemplateError):  # (a private helper: a later transformers may lack it)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     try:
-        ast = _compile_jinja_template(template).environment.parse(template)
+        ast = environment.parse(template)
     except TemplateError:
         return "string"
 

@@ -70,6 +70,7 @@ class NanoVLLMActor:
             engine_kwargs = {**engine_kwargs, "seed": int(hashlib.sha256(actor.encode()).hexdigest()[:8], 16)}
         self.llm = LLM(model, **engine_kwargs)
         self.defaults = sampling_params
+        self._content_format = None
 
     def _request(self, i: int, row: dict) -> tuple:
         where = f"row {i} of its batch" + (f" (id={row['id']!r:.40})" if "id" in row else "")
@@ -77,7 +78,9 @@ class NanoVLLMActor:
             messages = row.get("messages")
             if not _missing(messages):
                 from nanovllm.frontend import _conversations
-                prompt = self.llm._render_chat(_conversations([messages])[0], {})
+                if self._content_format is None:  # (read from the template once, as chat()'s "auto")
+                    self._content_format = self.llm._content_format(None, None)
+                prompt = self.llm._render_chat(_conversations([messages], self._content_format)[0], {})
             elif not _missing(row.get("prompt")):
                 prompt = row["prompt"]
             else:

@@ -50,3 +50,26 @@ def test_without_ray_the_module_imports_and_says_how_to_install(model, monkeypat
     proc = build_processor(model, engine_kwargs=ENGINE)
     with pytest.raises(ImportError, match='pip install "nanovllm\\[ray\\]"'):
         proc(object())
+
+
+def test_chat_rows_read_the_content_format_from_the_template(model, tmp_path, monkeypatch):
+    """A row's messages are rendered as chat() renders them with chat_template_content_format "auto": a template that
+    loops over a message's content gets text parts (a str content looped as characters would write nothing)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import nanovllm.ray as nray
+    path = tmp_path / "parts"
+    shutil.copytree(model, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    tok.save_pretrained(path)
+    monkeypatch.setattr(nray, "_actor_id", lambda: None)  # (built here, outside any Ray actor)
+    actor = nray.NanoVLLMActor(str(path), ENGINE, {"max_tokens": 2})
+    try:
+        prompt, _ = actor._request(0, {"messages": [{"role": "user", "content": "Hello"}]})
+        assert prompt["prompt"] == "[Hello]"
+        assert actor.llm.chat([{"role": "user", "content": "Hello"}], use_tqdm=False)[0].prompt == "[Hello]"
+    finally:
+        actor.llm.exit()
