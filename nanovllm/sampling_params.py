@@ -29,11 +29,11 @@ class SamplingParams:
     """Per-request generation options (names as in vLLM).
 
     temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
-    logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens
-    plus the sampled one, from the model's distribution before penalties, temperature and filtering (after a
-    grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
+    logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens (k=-1: every
+    token of the vocabulary, as in vLLM) plus the sampled one, from the model's distribution before penalties,
+    temperature and filtering (after a grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
     prompt_logprobs=k returns, for every prompt token after the first, its log-probability and the k most
-    likely tokens' (k=0: the prompt token's only), from the raw distribution.
+    likely tokens' (k=0: the prompt token's only; k=-1: every token's), from the raw distribution.
     n: completions per prompt; the prompt is prefilled once and its KV blocks are shared by the samples.
     structured_outputs: a StructuredOutputsParams (or a dict of its fields) constraining the answer to a JSON
     schema, a regex, a choice or a grammar (docs/structured_outputs.md); the grammar decides where the answer ends,
@@ -122,8 +122,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be None, -1 (the whole vocabulary) or an int >= 0, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")

@@ -114,6 +114,8 @@ class RequestChecker:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sp, name) == -1:  # (vLLM's: the whole vocabulary)
+                setattr(sp, name, self.vocab_size)
             if (getattr(sp, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name}={getattr(sp, name)} exceeds the vocabulary size {self.vocab_size}")
         if sp.n > self.max_num_seqs:

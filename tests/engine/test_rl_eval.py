@@ -169,7 +169,7 @@ def test_n_under_async_scheduling_equals_the_plain_loop(qwen3_tied):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(n=0), ValueError, "n must be >= 1"),
     (dict(n=2.0), TypeError, "n must be an int"),
-    (dict(prompt_logprobs=-1), ValueError, "prompt_logprobs must be None or an int >= 0"),
+    (dict(prompt_logprobs=-2), ValueError, r"prompt_logprobs must be None, -1 \(the whole vocabulary\) or an int >= 0"),
 ])
 def test_bad_n_and_prompt_logprobs(kwargs, error, match):
     with pytest.raises(error, match=match):

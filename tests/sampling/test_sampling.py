@@ -128,6 +128,22 @@ def test_logprobs_match_transformers(llm, qwen3_tied):
             assert math.isclose(value, row[tid].item(), abs_tol=1e-4)
 
 
+def test_logprobs_minus_one_gives_the_whole_vocabulary(llm, qwen3_tied):
+    """vLLM's logprobs=-1 / prompt_logprobs=-1: every token's log-probability, as transformers computes them."""
+    prompt = _prompts(5, [9])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1,
+                                                prompt_logprobs=-1), use_tqdm=False)[0]
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(qwen3_tied)(torch.tensor([prompt + out["token_ids"]])).logits[0].float(), -1)
+    rows = [(len(prompt) - 1 + i, lp) for i, lp in enumerate(out["logprobs"])]
+    rows += [(i - 1, lp) for i, lp in enumerate(out["prompt_logprobs"]) if lp is not None]
+    assert len(rows) == 3 + len(prompt) - 1
+    for position, lp in rows:
+        assert sorted(lp) == list(range(vocab))
+        assert torch.allclose(torch.tensor([lp[t] for t in range(vocab)]), ref[position], atol=1e-4)
+
+
 def test_logprobs_zero_gives_only_the_sampled_token(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0),
                        use_tqdm=False)[0]
@@ -349,7 +365,7 @@ def test_defaults_come_from_generation_config(qwen3_tied, tmp_path):
     (dict(min_p=-0.1), ValueError), (dict(min_p=1.1), ValueError), (dict(seed="x"), TypeError),
     (dict(min_tokens=-1), ValueError), (dict(min_tokens=100, max_tokens=10), ValueError),
     (dict(stop=[1]), TypeError), (dict(stop=""), ValueError), (dict(stop_token_ids=[-1]), ValueError),
-    (dict(logprobs=-1), ValueError), (dict(repetition_penalty=0.0), ValueError),
+    (dict(logprobs=-2), ValueError), (dict(repetition_penalty=0.0), ValueError),
     (dict(presence_penalty=3.0), ValueError), (dict(frequency_penalty=-2.5), ValueError),
     (dict(top_k=1.5), TypeError), (dict(ignore_eos="yes"), TypeError), (dict(seed=2**64), ValueError),
     (dict(seed=-2**70), ValueError),
