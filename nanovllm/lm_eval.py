@@ -109,8 +109,10 @@ class NanoVLLM(TemplateLM):
         """Each text's log-likelihood over disjoint windows of at most max_length tokens."""
         windows, owners = [], []
         for i, (text,) in enumerate(req.args for req in requests):
+            # a window is its context token plus up to max_seq_len scored ones: max_length - 1 keeps it within
+            # max_length (lm-eval's vLLM backend: max_model_len - 2); a longer one would lose its context token
             for window in get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                                                    max_seq_len=self.max_length, context_len=1):
+                                                    max_seq_len=self.max_length - 1, context_len=1):
                 windows.append((None, *make_disjoint_window(window)))
                 owners.append(i)
         totals = [0.0] * len(requests)

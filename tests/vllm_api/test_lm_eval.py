@@ -123,3 +123,41 @@ def test_command_line(bundled, tasks):
                           env={**os.environ, "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "nano_capitals" in done.stdout and "acc" in done.stdout
+
+
+# ---- the model's methods on a tiny random checkpoint, against lm-eval's vLLM backend's semantics --------------------
+
+@pytest.fixture(scope="module")
+def tiny_lm(qwen3_tied):
+    import nanovllm.lm_eval
+    model = nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, kvcache_block_size=16,
+                                      num_kvcache_blocks=64)
+    yield model
+    model.llm.exit()
+
+
+def _instance(kind: str, args: tuple):
+    from lm_eval.api.instance import Instance
+    return Instance(kind, {}, args, 0)
+
+
+def test_rolling_loglikelihood_of_a_text_longer_than_max_length(tiny_lm, qwen3_tied):
+    """Windows as lm-eval's vLLM backend cuts them (max_seq_len = max_model_len - 2: a window and its context token
+    fit in max_model_len - 1), each scored by transformers. Windows of max_length scored tokens plus their context
+    token were one too long: the context token was cut, and the first scored token had no logprob (TypeError)."""
+    import torch
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from tests.tiny_models import CORPUS, hf_model
+    text = " ".join(CORPUS[:3])
+    tokens = tiny_lm.tok_encode(text)
+    assert len(tokens) > 2 * tiny_lm.max_length
+    expected = 0.0
+    for context, scored in map(make_disjoint_window, get_rolling_token_windows(
+            token_list=tokens, prefix_token=tiny_lm.prefix_token_id, max_seq_len=32 - 2, context_len=1)):
+        window = context + scored
+        with torch.no_grad():
+            rows = torch.log_softmax(hf_model(qwen3_tied)(torch.tensor([window[:-1]])).logits[0].float(), -1)
+        expected += sum(rows[i - 1, window[i]].item() for i in range(len(context), len(window)))
+    got = tiny_lm.loglikelihood_rolling([_instance("loglikelihood_rolling", (text,))], disable_tqdm=True)
+    assert got[0] == pytest.approx(expected, abs=1e-3)
