@@ -133,8 +133,11 @@ class NanoVLLM(TemplateLM):
             kwargs.pop("do_sample", None)  # (normalize_gen_kwargs set temperature 0 where it is False)
             prompts.append({"prompt_token_ids": self.tok_encode(context,
                                                                 left_truncate_len=self.max_length - max_tokens)})
+            # a reasoning model's `until` (often "\n\n") would end it inside its thinking, before any answer: the
+            # engine stops at EOS only, and postprocess_generated_text cuts the answer (as lm-eval's vLLM backend)
+            stop = [s for s in until if s == eos] if self.think_end_token else until
             try:
-                params.append(SamplingParams(max_tokens=max_tokens, stop=until, **kwargs))
+                params.append(SamplingParams(max_tokens=max_tokens, stop=stop, **kwargs))
             except TypeError as e:
                 raise ValueError(f"a task's generation_kwargs has an option nanovllm's SamplingParams lacks: {e}") \
                     from None

@@ -161,3 +161,27 @@ def test_rolling_loglikelihood_of_a_text_longer_than_max_length(tiny_lm, qwen3_t
         expected += sum(rows[i - 1, window[i]].item() for i in range(len(context), len(window)))
     got = tiny_lm.loglikelihood_rolling([_instance("loglikelihood_rolling", (text,))], disable_tqdm=True)
     assert got[0] == pytest.approx(expected, abs=1e-3)
+
+
+def test_think_end_token_lets_the_model_think_past_the_stop_strings(tiny_lm):
+    """With think_end_token, lm-eval's vLLM backend sends the engine EOS only and applies `until` to the answer
+    after the thinking (postprocess_generated_text). Sending `until` to the engine ended generation at the first
+    stop inside the thinking: the answer came back empty."""
+    from lm_eval.models.utils import postprocess_generated_text
+
+    from nanovllm import SamplingParams
+    context = "Hello world! How"
+    full = tiny_lm.llm.generate([context], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]["text"]
+    # a "think end" marker found once in the greedy text, and a stop string found only before it
+    think = next(full[i:i + 3] for i in range(8, len(full) - 8) if full.count(full[i:i + 3]) == 1)
+    stop = next(full[i:i + 2] for i in range(full.index(think) - 2) if full[i:i + 2] not in full[full.index(think):])
+    expected = postprocess_generated_text(full, [stop, tiny_lm.tokenizer.decode(tiny_lm.eot_token_id)], think)
+    assert expected
+    tiny_lm.think_end_token = think
+    try:
+        got = tiny_lm.generate_until([_instance("generate_until", (context, {"until": [stop], "max_gen_toks": 20,
+                                                                              "do_sample": False}))],
+                                     disable_tqdm=True)
+    finally:
+        tiny_lm.think_end_token = None
+    assert got == [expected]
