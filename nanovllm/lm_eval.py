@@ -131,6 +131,9 @@ class NanoVLLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_tokens = kwargs.pop("max_gen_toks")
             kwargs.pop("do_sample", None)  # (normalize_gen_kwargs set temperature 0 where it is False)
+            # special tokens stay in the text (lm-eval's vLLM backend's defaults), so an `until` such as "<|im_end|>"
+            # can match: skipped from the text, it never would, and generation ran on past it
+            kwargs = {"skip_special_tokens": False, "spaces_between_special_tokens": False} | kwargs
             prompts.append({"prompt_token_ids": self.tok_encode(context,
                                                                 left_truncate_len=self.max_length - max_tokens)})
             # a reasoning model's `until` (often "\n\n") would end it inside its thinking, before any answer: the

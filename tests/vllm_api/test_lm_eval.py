@@ -185,3 +185,18 @@ def test_think_end_token_lets_the_model_think_past_the_stop_strings(tiny_lm):
     finally:
         tiny_lm.think_end_token = None
     assert got == [expected]
+
+
+def test_a_special_token_in_until_stops_generation(tiny_lm):
+    """lm-eval's vLLM backend keeps special tokens in the text (skip_special_tokens=False), so an until string that
+    is a special token ("<|im_end|>" for a ChatML model whose EOS is another token) stops the generation. Skipped
+    from the text, it never matched: the text ran on past it. (allowed_token_ids steers the random model to emit
+    <|pad|> second.)"""
+    from nanovllm import SamplingParams
+    kwargs = {"until": ["<|pad|>"], "max_gen_toks": 16, "do_sample": False, "allowed_token_ids": [1, 199, 390, 217]}
+    plain = tiny_lm.llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                 allowed_token_ids=kwargs["allowed_token_ids"]), use_tqdm=False)[0]["token_ids"]
+    pad = tiny_lm.tokenizer.convert_tokens_to_ids("<|pad|>")
+    assert plain[1] == pad and any(t != pad for t in plain[2:])  # (ordinary tokens follow it)
+    got = tiny_lm.generate_until([_instance("generate_until", ("Once upon a time", kwargs))], disable_tqdm=True)
+    assert got == [tiny_lm.tokenizer.decode(plain[:1])]
