@@ -130,6 +130,9 @@ class NanoVLLM(TemplateLM):
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_tokens = kwargs.pop("max_gen_toks")
+            if max_tokens >= self.max_length:  # (a left_truncate_len <= 0 below kept the whole context, or its end)
+                raise ValueError(f"max_gen_toks={max_tokens} leaves no room for the context within max_length="
+                                 f"{self.max_length}: lower max_gen_toks or raise max_model_len")
             kwargs.pop("do_sample", None)  # (normalize_gen_kwargs set temperature 0 where it is False)
             # special tokens stay in the text (lm-eval's vLLM backend's defaults), so an `until` such as "<|im_end|>"
             # can match: skipped from the text, it never would, and generation ran on past it

@@ -200,3 +200,14 @@ def test_a_special_token_in_until_stops_generation(tiny_lm):
     assert plain[1] == pad and any(t != pad for t in plain[2:])  # (ordinary tokens follow it)
     got = tiny_lm.generate_until([_instance("generate_until", ("Once upon a time", kwargs))], disable_tqdm=True)
     assert got == [tiny_lm.tokenizer.decode(plain[:1])]
+
+
+@pytest.mark.parametrize("max_gen_toks", [31, 40])
+def test_max_gen_toks_that_leaves_no_room_for_the_context_is_refused(tiny_lm, max_gen_toks):
+    """As lm-eval's transformers backend asserts. The context was left-truncated to max_length - max_gen_toks <= 0
+    tokens, which as a slice kept all of it (0) or dropped its first tokens (< 0) without a word."""
+    from tests.tiny_models import CORPUS
+    request = _instance("generate_until", (CORPUS[0], {"until": ["\n"], "max_gen_toks": max_gen_toks}))
+    with pytest.raises(ValueError, match=f"max_gen_toks={max_gen_toks} leaves no room for the context within "
+                                         "max_length=31"):
+        tiny_lm.generate_until([request], disable_tqdm=True)
