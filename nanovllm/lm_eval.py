@@ -5,9 +5,10 @@
 runs lm-eval's own command line with this module imported (which registers the model type); in Python,
 `import nanovllm.lm_eval` and then `lm_eval.simple_evaluate(model="nanovllm", ...)`. model_args are `pretrained`
 (a checkpoint directory or .gguf file; with `gguf_file`, a file in that directory, as the transformers backend
-takes it), lm-eval's usual max_gen_toks, max_length, add_bos_token, prefix_token_id and think_end_token,
-`lora_local_path` (a PEFT adapter every request runs under, as in lm-eval's vLLM backend), and any LLM(...)
-option. Scoring uses prompt_logprobs on the vLLM-shaped API, as lm-eval's vLLM backend does."""
+takes it), lm-eval's usual max_gen_toks, max_length, add_bos_token, prefix_token_id, think_end_token,
+enable_thinking and chat_template_args (variables for the chat template), `lora_local_path` (a PEFT adapter every
+request runs under), as lm-eval's vLLM backend takes them, and any LLM(...) option. Scoring uses prompt_logprobs
+on the vLLM-shaped API, as lm-eval's vLLM backend does."""
 import os
 
 from lm_eval.api.model import TemplateLM
@@ -35,8 +36,12 @@ class NanoVLLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, gguf_file: str | None = None, max_gen_toks: int = 256,
                  max_length: int | None = None, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
                  think_end_token: str | None = None, batch_size=None, max_batch_size=None, device: str | None = None,
-                 lora_local_path: str | None = None, **engine_kwargs):
+                 lora_local_path: str | None = None, enable_thinking: bool | None = None,
+                 chat_template_args: dict | None = None, **engine_kwargs):
         super().__init__()
+        # the chat template's extra variables (lm-eval's vLLM backend's: enable_thinking always, None when unset)
+        self.chat_template_args = dict(chat_template_args or {})
+        self.chat_template_args.setdefault("enable_thinking", enable_thinking)
         del batch_size, max_batch_size  # (lm-eval's batching: the engine schedules its own batches)
         if device == "cpu":  # lm-eval's --device ("cuda", its default, leaves the engine's choice: CUDA when present;
             engine_kwargs.setdefault("device", "cpu")  # pick a GPU with CUDA_VISIBLE_DEVICES)
@@ -85,9 +90,19 @@ class NanoVLLM(TemplateLM):
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        import jinja2
+
+        def render(messages):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt,
+                                                      **self.chat_template_args)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            # a template without a system role (Gemma's raises): without the system message, as lm-eval's vLLM and
+            # transformers backends do
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log P(continuation | context), whether greedy decoding gives the continuation) for each request; a

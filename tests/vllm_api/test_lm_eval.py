@@ -211,3 +211,33 @@ def test_max_gen_toks_that_leaves_no_room_for_the_context_is_refused(tiny_lm, ma
     with pytest.raises(ValueError, match=f"max_gen_toks={max_gen_toks} leaves no room for the context within "
                                          "max_length=31"):
         tiny_lm.generate_until([request], disable_tqdm=True)
+
+
+def test_chat_template_variables_and_a_template_without_a_system_role(tiny_lm):
+    """enable_thinking and chat_template_args reach the template (lm-eval's vLLM backend's model args; they were
+    refused as unknown LLM options), and a template that refuses the system role (Gemma's raises) renders without
+    the system message, as both of lm-eval's backends do (it raised)."""
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                "{% endif %}{{ m['role'] + ':' + m['content'] + '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant:' }}"
+                "{% if enable_thinking is defined and enable_thinking is false %}{{ '<no-think>' }}{% endif %}"
+                "{% if style is defined %}{{ style }}{% endif %}{% endif %}")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    saved = tiny_lm.tokenizer.chat_template, getattr(tiny_lm, "chat_template_args", {})
+    tiny_lm.tokenizer.chat_template = template
+    try:
+        assert tiny_lm.apply_chat_template(chat) == "user:Hi\nassistant:"
+        tiny_lm.chat_template_args = {"enable_thinking": False, "style": "[terse]"}
+        assert tiny_lm.apply_chat_template(chat) == "user:Hi\nassistant:<no-think>[terse]"
+    finally:
+        tiny_lm.tokenizer.chat_template, tiny_lm.chat_template_args = saved
+
+
+def test_enable_thinking_is_a_model_arg(qwen3_tied):
+    import nanovllm.lm_eval
+    model = nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, enable_thinking=False,
+                                      chat_template_args={"style": "x"})
+    try:
+        assert model.chat_template_args == {"enable_thinking": False, "style": "x"}
+    finally:
+        model.llm.exit()
