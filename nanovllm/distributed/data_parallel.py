@@ -546,10 +546,11 @@ class DataParallelLLM(Frontend):
             raise error
         return [r for replica in results for r in replica]
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
         _, error = self._on_every_replica("reset_prefix_cache", "reset_prefix_cache")
         if error is not None:
             raise error
+        return True
 
     def exit(self):
         """Stop every replica (each shuts its own engine down) and leave no process behind. Idempotent."""

@@ -252,11 +252,13 @@ class LLMEngine:
             self._check_idle("collective_rpc")
             return self.executor.collective_rpc(method, tuple(args or ()), kwargs)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (vLLM's name), e.g. after changing weights some other way."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name), e.g. after changing weights some other way. True, as vLLM
+        returns when it resets (RL scripts assert it); RuntimeError while requests are running."""
         with self._exclusive("reset_prefix_cache"):
             self._check_idle("reset_prefix_cache")
             self.scheduler.block_manager.reset_prefix_cache()
+            return True
 
     # ---- RL loops: new weights, and the GPU memory back while training -----------------------------
     def update_weights(self, weights) -> None:

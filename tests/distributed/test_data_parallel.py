@@ -371,7 +371,7 @@ def test_weights_sleep_and_rpc_on_every_replica(chat_model, qwen3_b, deadline):
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o["token_ids"] for o in outs]
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert any(o["num_cached_tokens"] for o in again) or all(len(p) <= 16 for p in prompts)
-        llm.reset_prefix_cache()
+        assert llm.reset_prefix_cache() is True
         assert all(o["num_cached_tokens"] == 0 for o in llm.generate(prompts, GREEDY, use_tqdm=False))
         llm.sleep(level=2)
         with pytest.raises(ValueError, match="lacks weights"):
