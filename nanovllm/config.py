@@ -131,7 +131,11 @@ class Config:
 
         from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config, tokenizer_eos_id
         self.hf_config = load_hf_config(self.model)
-        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        from nanovllm.models.decoder import context_length
+        stated = getattr(self.hf_config, "max_position_embeddings", None)
+        max_pos = context_length(self.hf_config)
+        limit = f"max_position_embeddings={stated}" + (f" x its linear rope factor, {max_pos}" if max_pos != stated
+                                                        else "")
         if self.max_model_len is None:
             if not max_pos:
                 raise ValueError(f"max_model_len=None takes the model's own limit, but {self.model} states none "
@@ -140,7 +144,7 @@ class Config:
         elif max_pos and self.max_model_len > max_pos:
             # (raising max_model_len further changes nothing: a too-long prompt's error must say so)
             self.longer_prompts = (f"use a model with a longer context (max_model_len={self.max_model_len} was "
-                                   f"capped at this model's max_position_embeddings={max_pos})")
+                                   f"capped at this model's {limit})")
             self.max_model_len = max_pos
         from nanovllm.models import check_model_config  # before any weight is read
         windows = check_model_config(self.hf_config)

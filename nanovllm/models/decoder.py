@@ -67,6 +67,18 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     return float(theta), (params if rope_type not in (None, "default") else None)
 
 
+def context_length(config) -> int | None:
+    """The positions the model takes: max_position_embeddings, times the factor of linear rope scaling (which
+    stretches the positions trained on; vLLM's _get_and_verify_max_len), except Gemma 3's, whose
+    max_position_embeddings is its whole context already."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    _, scaling = rope_settings(config)
+    gemma3 = any(str(a).startswith("Gemma3") for a in getattr(config, "architectures", None) or ())
+    if max_pos and scaling and scaling.get("rope_type", scaling.get("type")) == "linear" and not gemma3:
+        return int(max_pos * scaling["factor"])
+    return max_pos
+
+
 def moe_layer(config, layer: int) -> bool:
     """Whether layer `layer` has experts (of an MoE model): Qwen3-MoE's rule, which every Mixtral layer meets
     (its config has neither field)."""
@@ -212,8 +224,8 @@ class DecoderModel(nn.Module):
         self.flags = flags
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size ** 0.5 if flags.embed_scale else None
-        # One cos/sin cache [max_position_embeddings, head_dim] per rope setting: one for all layers, except where
-        # layer types have their own (Gemma 3's local layers)
+        # One cos/sin cache [context_length, head_dim] per rope setting: one for all layers, except where layer types
+        # have their own (Gemma 3's local layers)
         caches: dict[str, RotaryEmbedding] = {}
         layers = []
         kinds = layer_types(config, flags.window_pattern)
@@ -221,7 +233,7 @@ class DecoderModel(nn.Module):
             theta, scaling = rope_settings(config, kind)
             key = repr((theta, scaling))
             if key not in caches:
-                caches[key] = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+                caches[key] = RotaryEmbedding(head_dim_of(config), context_length(config), theta, scaling)
             layers.append(DecoderLayer(config, flags, caches[key], i, window))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, flags.norm_offset)

@@ -54,6 +54,21 @@ def test_llama3_rope_frequencies_match_transformers(tmp_path):
     assert not torch.allclose(ours, plain), "the test scaling should change the frequencies"
 
 
+def test_linear_rope_scaling_stretches_the_context(tmp_path):
+    """Linear rope scaling divides positions by its factor: the model's context is max_position_embeddings times
+    the factor, as vLLM computes it. A prompt past max_position_embeddings runs, with transformers' tokens."""
+    path = make_checkpoint(tmp_path, "llama", tie=False, max_position_embeddings=64,
+                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+    prompt = list(range(3, 103))  # 100 tokens: past 64, within 128
+    with LLM(path, max_model_len=None, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        assert llm.llm_engine.model_config.max_model_len == 128
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert out[0]["token_ids"] == hf_greedy(path, prompt, 8)
+        with pytest.raises(ValueError, match="capped at this model's max_position_embeddings=64 x its linear rope "
+                                             "factor, 128"):
+            LLM(path, max_model_len=4096).generate([list(range(3, 203))], use_tqdm=False)
+
+
 def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
     # check_weights builds the model on the meta device for its names and shapes: the rotary cache there is an empty
     # meta tensor of the real shape (computing it went through torch._refs: 2.3 s of a first update_weights)
