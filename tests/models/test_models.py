@@ -64,9 +64,10 @@ def test_linear_rope_scaling_stretches_the_context(tmp_path):
         assert llm.llm_engine.model_config.max_model_len == 128
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert out[0]["token_ids"] == hf_greedy(path, prompt, 8)
+    with LLM(path, max_model_len=4096, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
         with pytest.raises(ValueError, match="capped at this model's max_position_embeddings=64 x its linear rope "
                                              "factor, 128"):
-            LLM(path, max_model_len=4096).generate([list(range(3, 203))], use_tqdm=False)
+            llm.generate([list(range(3, 203))], use_tqdm=False)
 
 
 def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
