@@ -77,9 +77,6 @@ class Frontend:
         if chat_template_content_format not in _CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(map(repr, _CONTENT_FORMATS))}, "
                              f"got {chat_template_content_format!r}")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True: pass "
-                             "add_generation_prompt=False to continue the last message")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
@@ -88,6 +85,11 @@ class Frontend:
         if tools is not None:
             options["tools"] = tools
         options.update(chat_template_kwargs or {})
+        # checked once merged: chat_template_kwargs may set either (vLLM's LLM.chat updated its arguments with
+        # chat_template_kwargs, and transformers refused the pair)
+        if options["add_generation_prompt"] and options["continue_final_message"]:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True: pass "
+                             "add_generation_prompt=False to continue the last message")
         if chat_template_content_format == "auto":
             chat_template_content_format = self._content_format(chat_template, tools)
         prompts = [self._render_chat(c, options) for c in _conversations(messages, chat_template_content_format)]

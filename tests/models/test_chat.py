@@ -175,3 +175,17 @@ def test_auto_content_format_follows_the_template(llm):
               "{% endfor %}{% endfor %}")
     assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=sliced)[0].prompt \
         == "<Hi>"
+
+
+def test_continue_final_message_with_the_generation_prompt_off_in_template_kwargs(llm):
+    """The two flags are checked once chat_template_kwargs are merged in: vLLM's LLM.chat updated its arguments with
+    chat_template_kwargs and transformers refused only the merged pair."""
+    conversation = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The answer is"}]
+    explicit = llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert explicit.prompt.endswith("The answer is")
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, continue_final_message=True,
+                   chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert out.prompt == explicit.prompt
+    with pytest.raises(ValueError, match="cannot both be True"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"continue_final_message": True})
