@@ -69,7 +69,9 @@ class Frontend:
 
         Each is rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) and `tools`,
         ending in the assistant's turn (add_generation_prompt), or continuing the last message
-        (continue_final_message). A message's content is a str or a list of {"type": "text", "text": ...} parts.
+        (continue_final_message). A message's content is a str, None (empty), or a list of text parts: plain strs or
+        {"type": "text" / "input_text" / "output_text", "text": ...}, {"type": "refusal", "refusal": ...},
+        {"type": "thinking", "thinking": ...}, as vLLM reads them; images, audio and video are refused.
         chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3. Returns one
         RequestOutput per conversation, as generate() does."""
         if mm_processor_kwargs is not None:
@@ -152,40 +154,93 @@ def _conversations(messages, content_format: str = "auto") -> list[Conversation]
 
 
 def _message(message, where: str, content_format: str) -> Message:
+    """A message as vLLM hands it to the template (its parse_chat_messages): the content parts rendered in the
+    content format, and only the other keys vLLM keeps (_message_fields)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"{where} must be a dict with a str 'role' and a 'content', e.g. "
                          f"{{'role': 'user', 'content': 'Hi'}}; got {message!r:.80}")
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: text only
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}: a content part must be {{'type': 'text', 'text': str}} (nanovllm serves "
-                                 f"text-only models); got {part!r:.80}")
-        texts = [part["text"] for part in content]
-    elif isinstance(content, str):
-        texts = [content]
-    elif content is None and message.get("tool_calls"):
-        texts = []  # (vLLM's: no content is an empty one, "" or no parts; a template would write None as "None")
-    else:
-        raise ValueError(f"{where} must have a str 'content' (or a list of text parts); got {message!r:.80}")
-    # vLLM's content formats: "string" joins the text parts by newlines; "openai" hands the template every content as
-    # parts, a str one included (a template that loops over the parts would loop over a str's characters), except a
-    # tool result's, which vLLM keeps a str as most templates expect
-    if content_format == "openai" and message["role"] != "tool":
-        message = {**message, "content": [{"type": "text", "text": text} for text in texts]}
-    else:
-        message = {**message, "content": "\n".join(texts)}
-    if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
-        message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}
-        if not message["tool_calls"]:
-            del message["tool_calls"]  # (vLLM's: an empty list keeps the template on the plain assistant path)
-    return message
+    parts = _content_parts(message.get("content"), where)
+    return {"role": message["role"], "content": _content(parts, message["role"], content_format),
+            **_message_fields(message, where)}
 
 
-def _tool_calls(tool_calls: list, where: str) -> list:
+def _content_parts(content, where: str) -> list[dict]:
+    """A message's content as a list of {"type": "text", "text": str} and {"type": "tool_reference", "name": str}
+    parts. No content (None, or no 'content' key) is no parts, as in vLLM: an empty content, not None, which a
+    template would write out as "None"."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where}: 'content' must be a str, a list of content parts or None; got {content!r:.80}")
+    return [p for p in (_content_part(part, where) for part in content) if p is not None]
+
+
+# The part types vLLM reads as text, with the key holding the text; vLLM skips a "text" or "refusal" part whose text
+# is None (it joins or hands on the others' None, which fails or reaches the template as None, so those are refused).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+_SKIPPED_WITHOUT_TEXT = ("text", "refusal")
+
+
+def _content_part(part, where: str) -> dict | None:
+    """One content part, normalized as vLLM's _parse_chat_message_content_part does: a plain str and the text-like
+    types become a text part (a "thinking" part's text too: vLLM keeps it as text, it does not move it to the
+    reasoning), a "tool_reference" keeps its name; None for a part vLLM skips. Anything else (images, audio,
+    video, unknown types) is refused: nanovllm serves text-only models."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _TEXT_PARTS:
+        text = part.get(_TEXT_PARTS[kind])
+        if text is None and kind in _SKIPPED_WITHOUT_TEXT:
+            return None
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: a {kind!r} content part needs a str {_TEXT_PARTS[kind]!r}; got {part!r:.80}")
+        return {"type": "text", "text": text}
+    if kind == "tool_reference" and isinstance(part.get("name"), str):
+        return {"type": "tool_reference", "name": part["name"]}
+    raise ValueError(f"{where}: unsupported content part {part!r:.80}: nanovllm serves text-only models; a part is a "
+                     f"str or a dict of type {', '.join(map(repr, _TEXT_PARTS))} or 'tool_reference' (with its name)")
+
+
+def _content(parts: list[dict], role: str, content_format: str) -> str | list[dict]:
+    """vLLM's content formats: "string" joins the parts' texts by newlines; "openai" hands the template the parts,
+    a str content's one part included (a template that loops over the parts would loop over a str's characters),
+    except a tool result of text parts only, which vLLM joins as most templates expect a str there."""
+    if content_format == "openai" and not (role == "tool" and all(p["type"] == "text" for p in parts)):
+        return parts
+    return "\n".join(p["text"] if p["type"] == "text" else p["name"] for p in parts)
+
+
+def _message_fields(message: dict, where: str) -> dict:
+    """The keys besides role and content that vLLM's _parse_chat_message_content copies to the message the template
+    gets (it drops the others, so templates see the same message here): an assistant's tool_calls (arguments
+    parsed, _tool_calls) and its reasoning, also as reasoning_content (the name templates like Qwen3's read); a tool
+    result's tool_call_id; a str name or task; a developer message's tools (None where it has none)."""
+    role, fields = message["role"], {}
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            tool_calls = _tool_calls(message["tool_calls"], where)
+            if tool_calls:  # (vLLM's: an empty list keeps the template on the plain assistant path)
+                fields["tool_calls"] = tool_calls
+        if message.get("reasoning") is not None:
+            fields["reasoning"] = fields["reasoning_content"] = message["reasoning"]
+    elif role == "tool" and "tool_call_id" in message:
+        fields["tool_call_id"] = message["tool_call_id"]
+    elif role == "developer":
+        fields["tools"] = message.get("tools")
+    fields.update({key: message[key] for key in ("name", "task") if isinstance(message.get(key), str)})
+    return fields
+
+
+def _tool_calls(tool_calls, where: str) -> list:
     """An assistant message's tool calls as templates expect them (vLLM's _postprocess_messages): OpenAI's
     `function.arguments` is a JSON string, which templates would write out as a quoted string (`arguments | tojson`),
     so it is parsed into a dict ({} where it is not JSON). Copies: the caller's messages stay as they were."""
+    if not isinstance(tool_calls, (list, tuple)):
+        raise ValueError(f"{where}: 'tool_calls' must be a list of tool calls; got {tool_calls!r:.80}")
     out = []
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None

@@ -83,14 +83,86 @@ def test_several_conversations_and_template_kwargs(llm):
 @pytest.mark.parametrize("messages", [
     [],
     "Hello",
-    [{"role": "user"}],
-    [{"role": "user", "content": 3}],
+    [{"content": "hi"}],
     [["not a dict"]],
     [[{"role": "user", "content": "hi"}], []],
 ])
 def test_malformed_messages(llm, messages):
     with pytest.raises(ValueError, match="role"):
         llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("message, joined", [
+    ({"role": "user", "content": ["Hello", "world!"]}, "Hello\nworld!"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "output_text", "text": "you"}]},
+     "Hello\nyou"),
+    ({"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, "No."),
+    ({"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm", "closed": True}, "Hi"]}, "Hmm\nHi"),
+    ({"role": "user", "content": [{"type": "text", "text": None}, "Hi", {"type": "refusal", "refusal": None}]}, "Hi"),
+    ({"role": "user", "content": None}, ""),
+    ({"role": "user"}, ""),
+])
+def test_content_shapes_vllm_accepts(llm, message, joined):
+    """vLLM's _parse_chat_message_content_part: plain strs and input_text / output_text / refusal / thinking parts
+    are text (a thinking part stays in the content), a text or refusal part without its text is skipped, and no
+    content is an empty one."""
+    out = llm.chat([message], GREEDY, use_tqdm=False)[0]
+    assert out["prompt_token_ids"] == _expected_ids(llm, [{"role": message["role"], "content": joined}])
+
+
+def test_openai_format_gets_every_text_shape_as_text_parts(llm):
+    parts_template = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}"
+                      ";{% endfor %}")
+    conversation = [{"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]},
+                    {"role": "assistant", "content": [{"type": "thinking", "thinking": "c"}, {"type": "text"}]},
+                    {"role": "user"}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=parts_template)[0]
+    assert out.prompt == "user:[a][b];assistant:[c];user:;"
+
+
+def test_message_keys_are_those_vllm_keeps(llm):
+    """vLLM hands the template an assistant's `reasoning` as `reasoning_content` too (the name Qwen3's template
+    reads), keeps a developer message's tools, and drops the keys it does not keep (reasoning or tools on a user
+    message, an unknown key)."""
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.reasoning_content }}/{{ m.reasoning }}/{{ m.extra }}"
+                "/{{ m.name }}/{{ m.tools }};{% endfor %}")
+    conversation = [{"role": "user", "content": "hi", "reasoning": "u", "extra": "x", "name": "bob", "tools": ["t"]},
+                    {"role": "assistant", "content": "ok", "reasoning": "r", "reasoning_content": "given"},
+                    {"role": "developer", "content": "d", "tools": ["f"]}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "user:///bob/;assistant:r/r///;developer:////['f'];"
+
+
+def test_tool_reference_parts(llm):
+    """vLLM keeps a tool_reference part (its name) for the template; a tool result holding one stays a list of parts
+    with the "openai" format."""
+    template = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                "{% for p in m['content'] %}[{{ p['type'] }}:{{ p['text'] or p['name'] }}]{% endfor %}{% endif %};"
+                "{% endfor %}")
+    conversation = [{"role": "tool", "content": [{"type": "tool_reference", "name": "search"}, "done"]}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template, chat_template_content_format="openai")
+    assert out[0].prompt == "[tool_reference:search][text:done];"
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template, chat_template_content_format="string")
+    assert out[0].prompt == "search\ndone;"
+
+
+@pytest.mark.parametrize("message, match", [
+    ({"role": "user", "content": 3}, "'content' must be a str"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}, "text-only"),
+    ({"role": "user", "content": [{"image_url": "http://x/a.png"}]}, "text-only"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]},
+     "text-only"),
+    ({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/a.mp4"}}]}, "text-only"),
+    ({"role": "user", "content": [{"type": "html", "html": "<b>"}]}, "unsupported content part"),
+    ({"role": "user", "content": [3]}, "unsupported content part"),
+    # vLLM skips only text and refusal parts without their text: it joins these Nones (a TypeError)
+    ({"role": "user", "content": [{"type": "input_text", "text": None}]}, "needs a str 'text'"),
+    ({"role": "assistant", "content": [{"type": "thinking"}]}, "needs a str 'thinking'"),
+    ({"role": "assistant", "content": "", "tool_calls": "f()"}, "'tool_calls' must be a list"),
+])
+def test_content_vllm_refuses(llm, message, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat([message], GREEDY, use_tqdm=False)
 
 
 def test_bad_template_kwargs(llm):
