@@ -217,16 +217,19 @@ def _content(parts: list[dict], role: str, content_format: str) -> str | list[di
 def _message_fields(message: dict, where: str) -> dict:
     """The keys besides role and content that vLLM's _parse_chat_message_content copies to the message the template
     gets (it drops the others, so templates see the same message here): an assistant's tool_calls (arguments
-    parsed, _tool_calls) and its reasoning, also as reasoning_content (the name templates like Qwen3's read); a tool
-    result's tool_call_id; a str name or task; a developer message's tools (None where it has none)."""
+    parsed, _tool_calls) and its reasoning (or reasoning_content), as both keys (templates like Qwen3's read the
+    latter); a tool result's tool_call_id; a str name or task; a developer message's tools (None where it has none)."""
     role, fields = message["role"], {}
     if role == "assistant":
         if message.get("tool_calls") is not None:
             tool_calls = _tool_calls(message["tool_calls"], where)
             if tool_calls:  # (vLLM's: an empty list keeps the template on the plain assistant path)
                 fields["tool_calls"] = tool_calls
-        if message.get("reasoning") is not None:
-            fields["reasoning"] = fields["reasoning_content"] = message["reasoning"]
+        # vLLM reads "reasoning" only and drops "reasoning_content", the key Qwen's and others' templates read and
+        # clients such as Qwen-Agent send: it is read too here, rather than lose a turn's reasoning without a word
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if reasoning is not None:
+            fields["reasoning"] = fields["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in message:
         fields["tool_call_id"] = message["tool_call_id"]
     elif role == "developer":

@@ -131,6 +131,10 @@ def test_message_keys_are_those_vllm_keeps(llm):
                     {"role": "developer", "content": "d", "tools": ["f"]}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template)[0]
     assert out.prompt == "user:///bob/;assistant:r/r///;developer:////['f'];"
+    # reasoning_content alone (Qwen-Agent's key, the one the template reads): kept, where vLLM would drop it
+    conversation[1] = {"role": "assistant", "content": "ok", "reasoning_content": "given"}
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "user:///bob/;assistant:given/given///;developer:////['f'];"
 
 
 def test_tool_reference_parts(llm):
