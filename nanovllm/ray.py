@@ -63,7 +63,7 @@ class NanoVLLMActor:
     def __init__(self, model: str, engine_kwargs: dict, sampling_params: dict):
         from nanovllm.llm import LLM
         actor = _actor_id()
-        if "seed" not in engine_kwargs and actor is not None:
+        if engine_kwargs.get("seed") is None and actor is not None:  # (None: vLLM's "no seed given")
             # unseeded rows: each actor its own draws (one engine seed would repeat them from actor to actor); the
             # id hashed, since a CPU generator keeps only a seed's low 32 bits and actors' ids can share those
             import hashlib
@@ -147,7 +147,11 @@ def build_processor(model: str, engine_kwargs: dict | None = None, sampling_para
     per batch an actor generates at once; max_retries: restarts of a dead actor and retries of its batch (None: Ray
     Data's own policy, which restarts dead actors and retries their batches). Unknown or bad options raise here,
     before any actor starts."""
-    engine_kwargs = dict(engine_kwargs or {})
+    from nanovllm.vllm_options import translate
+    # vLLM's option names (Ray's vLLMEngineProcessorConfig takes vLLM's engine_kwargs), as LLM() maps them; an
+    # unsupported non-default one raises ValueError naming it. Also drops vLLM's None-for-default values: seed=None
+    # then leaves each actor its own seed instead of seed 0 on every actor.
+    engine_kwargs = translate(model, dict(engine_kwargs or {}))
     valid = [f.name for f in fields(Config) if f.init and f.name != "model"]
     unknown = sorted(set(engine_kwargs) - set(valid))
     if unknown:

@@ -38,6 +38,17 @@ def test_bad_options_fail_before_any_actor(model):
         build_processor(model, concurrency=0)
 
 
+
+def test_vllm_engine_option_names_are_taken_as_llm_takes_them(model):
+    """engine_kwargs written for Ray's vLLM processor: vLLM's names map as LLM() maps them (they were refused as
+    unknown), and seed=None (vLLM's "no seed") is dropped, so each actor still gets its own seed (with None every
+    actor's engine took seed 0 and unseeded rows drew alike on all of them)."""
+    proc = build_processor(model, engine_kwargs={"block_size": 16, "enable_chunked_prefill": True,
+                                                 "trust_remote_code": True, "seed": None})
+    assert proc.engine_kwargs == {"kvcache_block_size": 16, "device": "cpu"}
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        build_processor(model, engine_kwargs={"pipeline_parallel_size": 2})
+
 def test_without_ray_the_module_imports_and_says_how_to_install(model, monkeypatch):
     import builtins
     real_import = builtins.__import__
