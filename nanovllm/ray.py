@@ -64,10 +64,11 @@ class NanoVLLMActor:
         from nanovllm.llm import LLM
         actor = _actor_id()
         if engine_kwargs.get("seed") is None and actor is not None:  # (None: vLLM's "no seed given")
-            # unseeded rows: each actor its own draws (one engine seed would repeat them from actor to actor); the
-            # id hashed, since a CPU generator keeps only a seed's low 32 bits and actors' ids can share those
-            import hashlib
-            engine_kwargs = {**engine_kwargs, "seed": int(hashlib.sha256(actor.encode()).hexdigest()[:8], 16)}
+            # unseeded rows: each actor its own draws (one engine seed would repeat them from actor to actor). Fresh
+            # random bits, not the actor id: an actor Ray restarts keeps its id, so a seed from the id repeated the
+            # dead actor's draws on the batches it retried. (32 bits: a CPU generator keeps only a seed's low 32.)
+            import os
+            engine_kwargs = {**engine_kwargs, "seed": int.from_bytes(os.urandom(4), "little")}
         self.llm = LLM(model, **engine_kwargs)
         self.defaults = sampling_params
         self._content_format = None

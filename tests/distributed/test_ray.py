@@ -84,3 +84,16 @@ def test_chat_rows_read_the_content_format_from_the_template(model, tmp_path, mo
         assert actor.llm.chat([{"role": "user", "content": "Hello"}], use_tqdm=False)[0].prompt == "[Hello]"
     finally:
         actor.llm.exit()
+
+
+def test_an_actor_restarted_with_its_id_draws_afresh(model, monkeypatch):
+    """Ray restarts a dead actor with the same actor id: its engine seed must not come from the id alone, or the
+    batches it retries draw the samples its first batches drew (unseeded rows repeated)."""
+    import nanovllm.ray as nray
+    monkeypatch.setattr(nray, "_actor_id", lambda: "8735332d779de3a45570ae6301000000")
+    seeds = []
+    for _ in range(2):
+        actor = nray.NanoVLLMActor(model, ENGINE, {"max_tokens": 2})
+        seeds.append(actor.llm.config.seed)
+        actor.llm.exit()
+    assert seeds[0] != seeds[1]
