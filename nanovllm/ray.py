@@ -81,7 +81,12 @@ class NanoVLLMActor:
                 from nanovllm.frontend import _conversations
                 if self._content_format is None:  # (read from the template once, as chat()'s "auto")
                     self._content_format = self.llm._content_format(None, None)
-                prompt = self.llm._render_chat(_conversations([messages], self._content_format)[0], {})
+                conversation = _conversations([messages], self._content_format)[0]
+                # a chat ending in the assistant's message is a prefill to continue (Ray's ChatTemplateUDF), not a
+                # turn to close and answer after; a tool result or user message last still gets the assistant's turn
+                options = {"add_generation_prompt": False, "continue_final_message": True} \
+                    if conversation[-1]["role"] == "assistant" else {}
+                prompt = self.llm._render_chat(conversation, options)
             elif not _missing(row.get("prompt")):
                 prompt = row["prompt"]
             else:

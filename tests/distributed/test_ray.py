@@ -97,3 +97,29 @@ def test_an_actor_restarted_with_its_id_draws_afresh(model, monkeypatch):
         seeds.append(actor.llm.config.seed)
         actor.llm.exit()
     assert seeds[0] != seeds[1]
+
+
+def test_a_chat_ending_in_the_assistants_message_is_continued(model, tmp_path, monkeypatch):
+    """As Ray's ChatTemplateUDF: a row whose messages end in the assistant's (a prefill) continues that message; it
+    was closed and a new assistant turn opened, so the model answered after the prefill instead of continuing it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import nanovllm.ray as nray
+    from tests.tiny_models import CHAT_TEMPLATE
+    path = tmp_path / "chat"
+    shutil.copytree(model, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    monkeypatch.setattr(nray, "_actor_id", lambda: None)
+    actor = nray.NanoVLLMActor(str(path), ENGINE, {"max_tokens": 2})
+    try:
+        user = {"role": "user", "content": "Capital of France?"}
+        prompt, _ = actor._request(0, {"messages": [user, {"role": "assistant", "content": "The capital is"}]})
+        assert prompt["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\nThe capital is")
+        prompt, _ = actor._request(0, {"messages": [user]})
+        assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+    finally:
+        actor.llm.exit()
