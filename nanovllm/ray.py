@@ -70,7 +70,9 @@ class NanoVLLMActor:
             import os
             engine_kwargs = {**engine_kwargs, "seed": int.from_bytes(os.urandom(4), "little")}
         self.llm = LLM(model, **engine_kwargs)
+        self.model = model
         self.defaults = sampling_params
+        self._loras = {}  # a row's `model` naming an adapter -> its LoRARequest (ids from 1, as Ray numbers them)
         self._content_format = None
 
     def _request(self, i: int, row: dict) -> tuple:
@@ -94,16 +96,31 @@ class NanoVLLMActor:
             overrides = row.get("sampling_params")
             params = _sampling_params(self.defaults, None if _missing(overrides) else overrides)
             self.llm.requests.check(prompt, params)  # the engine's own checks, here with the row named
+            lora = self._lora(row.get("model"))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: {e}") from None
-        return prompt, params
+        return prompt, params, lora
+
+    def _lora(self, name):
+        """Ray's per-row LoRA: a `model` other than the processor's names an adapter (its directory); None for the
+        base model. Ignoring it ran the row on the base model without a word."""
+        if _missing(name) or name == self.model:
+            return None
+        if not self.llm.config.enable_lora:
+            raise ValueError(f"its model {name!r} is not the processor's ({self.model!r}), so it names a LoRA "
+                             "adapter: pass engine_kwargs enable_lora=True (and max_lora_rank), or drop the column")
+        if name not in self._loras:
+            from nanovllm.lora.request import LoRARequest
+            self._loras[name] = LoRARequest(name, len(self._loras) + 1, name)
+        return self._loras[name]
 
     def __call__(self, batch):
         """batch: a pyarrow Table as Ray Data gives it (batch_format="pyarrow"); returns it with the
         OUTPUT_COLUMNS added."""
         import pyarrow as pa
         requests = [self._request(i, row) for i, row in enumerate(batch.to_pylist())]
-        outs = self.llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        outs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False,
+                                 lora_request=[r[2] for r in requests])
         columns = {"generated_text": ([o["text"] for o in outs], pa.string()),
                    "generated_token_ids": ([o["token_ids"] for o in outs], pa.list_(pa.int64())),
                    "finish_reason": ([o["finish_reason"] for o in outs], pa.string()),

@@ -79,7 +79,7 @@ def test_chat_rows_read_the_content_format_from_the_template(model, tmp_path, mo
     monkeypatch.setattr(nray, "_actor_id", lambda: None)  # (built here, outside any Ray actor)
     actor = nray.NanoVLLMActor(str(path), ENGINE, {"max_tokens": 2})
     try:
-        prompt, _ = actor._request(0, {"messages": [{"role": "user", "content": "Hello"}]})
+        prompt = actor._request(0, {"messages": [{"role": "user", "content": "Hello"}]})[0]
         assert prompt["prompt"] == "[Hello]"
         assert actor.llm.chat([{"role": "user", "content": "Hello"}], use_tqdm=False)[0].prompt == "[Hello]"
     finally:
@@ -117,9 +117,41 @@ def test_a_chat_ending_in_the_assistants_message_is_continued(model, tmp_path, m
     actor = nray.NanoVLLMActor(str(path), ENGINE, {"max_tokens": 2})
     try:
         user = {"role": "user", "content": "Capital of France?"}
-        prompt, _ = actor._request(0, {"messages": [user, {"role": "assistant", "content": "The capital is"}]})
+        prompt = actor._request(0, {"messages": [user, {"role": "assistant", "content": "The capital is"}]})[0]
         assert prompt["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\nThe capital is")
-        prompt, _ = actor._request(0, {"messages": [user]})
+        prompt = actor._request(0, {"messages": [user]})[0]
         assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+    finally:
+        actor.llm.exit()
+
+
+def test_a_rows_model_column_names_its_lora_adapter(model, tmp_path, monkeypatch):
+    """Ray's per-row LoRA: a row whose `model` is not the processor's runs under that adapter (it was ignored: the
+    row ran on the base model without a word); without enable_lora such a row is refused, named."""
+    import pyarrow as pa
+
+    import nanovllm.ray as nray
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.lora.request import LoRARequest
+    from tests.lora.adapters import make_adapter
+    adapter = make_adapter(model, tmp_path / "adapter", 8, ["q_proj", "v_proj"])
+    monkeypatch.setattr(nray, "_actor_id", lambda: None)
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    rows = pa.Table.from_pylist([{"id": 0, "prompt": "Hello", "model": adapter},
+                                 {"id": 1, "prompt": "Hello", "model": model}, {"id": 2, "prompt": "Hello"}])
+    engine = {**ENGINE, "enable_lora": True, "max_lora_rank": 8}
+    with LLM(model, **engine) as llm:
+        want = [llm.generate(["Hello"], SamplingParams(**greedy), use_tqdm=False, lora_request=lora)[0]["token_ids"]
+                for lora in (LoRARequest("a", 1, adapter), None)]
+    assert want[0] != want[1]
+    actor = nray.NanoVLLMActor(model, engine, greedy)
+    try:
+        assert actor(rows).column("generated_token_ids").to_pylist() == [want[0], want[1], want[1]]
+    finally:
+        actor.llm.exit()
+    actor = nray.NanoVLLMActor(model, ENGINE, greedy)
+    try:
+        with pytest.raises(ValueError, match="row 0 of its batch \\(id=0\\): its model .* enable_lora=True"):
+            actor(rows)
     finally:
         actor.llm.exit()
