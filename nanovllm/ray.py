@@ -185,10 +185,14 @@ def build_processor(model: str, engine_kwargs: dict | None = None, sampling_para
                              ("max_retries", 0 if max_retries is None else max_retries, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not isinstance(num_gpus, (int, float)) or isinstance(num_gpus, bool) or num_gpus < 0:
+    if not isinstance(num_gpus, (int, float)) or isinstance(num_gpus, bool) or not num_gpus >= 0:  # (NaN too)
         raise ValueError(f"num_gpus must be >= 0 (GPUs per replica), got {num_gpus!r}")
     if num_gpus >= 1 and "tensor_parallel_size" not in engine_kwargs:
         engine_kwargs["tensor_parallel_size"] = int(num_gpus)
+    needs = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("data_parallel_size", 1)
+    if num_gpus and needs > num_gpus:  # (each actor sees only its num_gpus GPUs: every one would fail to start)
+        raise ValueError(f"each replica runs on {needs} GPUs (tensor_parallel_size x data_parallel_size), but "
+                         f"num_gpus={num_gpus} gives it {num_gpus}: pass num_gpus={needs}")
     if num_gpus == 0:
         engine_kwargs.setdefault("device", "cpu")
     return Processor(model, engine_kwargs, sampling_params, concurrency, num_gpus, batch_size, max_retries)
