@@ -280,7 +280,7 @@ def test_a_gpu_attention_backend_on_cpu_says_so(qwen3_tied, backend, monkeypatch
     ("n", 0, ValueError, "n must be >= 1"),
     ("max_tokens", 0, ValueError, "max_tokens must be >= 1"),
     ("seed", 2**70, ValueError, "seed must fit in 64 bits"),
-    ("prompt_logprobs", -2, ValueError, "prompt_logprobs must be None or an int >= 0"),
+    ("prompt_logprobs", -2, ValueError, r"prompt_logprobs must be None, -1 \(the whole vocabulary\) or an int >= 0"),
     ("stop", [""], ValueError, "stop strings must not be empty"),
     ("top_k", 1.5, TypeError, "top_k must be an int"),
 ])
