@@ -420,6 +420,7 @@ class LLMEngine:
             self._check_awake()
             seq = self.make_sequence(prompt, sampling_params)
             self._set_adapters([seq], [lora_request])
+            self._add_detokenizers([seq, *seq.forks], False)  # (its stop strings are found in the text)
             self.scheduler.add(seq)
             return seq
 
@@ -622,12 +623,17 @@ class LLMEngine:
         self._set_adapters(firsts, loras)  # (after every prompt's checks: a refused call registers no adapter)
         requests = [[seq, *seq.forks] for seq in firsts]
         for samples in requests:
-            sp = samples[0].sampling_params
-            if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
-                for seq in samples:
-                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
-                                                             sp.spaces_between_special_tokens, seq.text_context)
+            self._add_detokenizers(samples, stream)
         return requests
+
+    def _add_detokenizers(self, samples: list[Sequence], stream: bool):
+        """Text while generating, for a stream's deltas or to find stop strings (without one a stop string is never
+        seen and the request runs on to its length)."""
+        sp = samples[0].sampling_params
+        if (stream or sp.stop_strings) and self.tokenizer is not None and sp.detokenize:
+            for seq in samples:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens,
+                                                         sp.spaces_between_special_tokens, seq.text_context)
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> Iterator[list[Sequence]]:
         """(Under _exclusive.) Drive the engine until every request is done, yielding the sequences updated by each

@@ -82,6 +82,23 @@ def test_stop_strings_cut_the_text(llm):
     assert stop in tok.decode(out["token_ids"]) and stop not in tok.decode(out["token_ids"][:-1])
 
 
+def test_stop_strings_end_a_request_of_the_step_api(llm):
+    # add_request + step() made no detokenizer, so a stop string was never seen: the request ran to max_tokens
+    prompt = _prompts(16, [20])[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    stop = base["text"][6:9]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], n=2)
+    want = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert want["finish_reason"] == "stop" and len(want["token_ids"]) < 30
+    first = llm.add_request(prompt, sp)
+    samples = [first, *first.forks]
+    while not llm.is_finished():
+        llm.step()
+    for seq, out in zip(samples, want.outputs):
+        assert (seq.completion_token_ids, seq.finish_reason, seq.stop_reason) == \
+            (out.token_ids, "stop", stop)
+
+
 def test_stop_token_ids(llm):
     prompt = _prompts(3, [12])[0]
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
