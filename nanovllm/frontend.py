@@ -1,6 +1,7 @@
 """What LLM and the data-parallel front share on top of their generate(): chat, beam search, and the accessors vLLM
 scripts and tools read (get_tokenizer, get_default_sampling_params, llm_engine.model_config)."""
 import copy
+import functools
 import json
 from dataclasses import dataclass
 
@@ -262,6 +263,7 @@ def _tool_calls(tool_calls, where: str) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=16)  # (chat() asks for every call; a template is parsed once)
 def _detect_content_format(template: str) -> str:
     """"openai" where the template loops over the content of a message, `{% for part in message['content'] %}`, with
     `message` a loop variable over `messages` (or over a variable set from it, like `loop_messages`), as vLLM's
@@ -299,4 +301,6 @@ def _detect_content_format(template: str) -> str:
     loops = list(ast.find_all(nodes.For))
     items = {f.target.name for f in loops if isinstance(f.target, nodes.Name)
              and any(reads(f.iter, name) for name in lists)}
-    return "openai" if any(reads(f.iter, item, "content") for f in loops for item in items) else "string"
+    # a loop over message['content'], or over a variable named content (a macro given the content, as Qwen3.5's)
+    return "openai" if any(reads(f.iter, item, "content") for f in loops for item in items) or any(
+        reads(f.iter, "content") for f in loops) else "string"

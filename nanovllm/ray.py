@@ -190,9 +190,10 @@ def build_processor(model: str, engine_kwargs: dict | None = None, sampling_para
     if num_gpus >= 1 and "tensor_parallel_size" not in engine_kwargs:
         engine_kwargs["tensor_parallel_size"] = int(num_gpus)
     needs = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("data_parallel_size", 1)
-    if num_gpus and needs > num_gpus:  # (each actor sees only its num_gpus GPUs: every one would fail to start)
+    if num_gpus and needs > max(1, num_gpus):  # (an actor sees only its num_gpus GPUs: each would fail to start;
+        # a fraction of one GPU shares it, as Ray means it, for a one-GPU engine)
         raise ValueError(f"each replica runs on {needs} GPUs (tensor_parallel_size x data_parallel_size), but "
-                         f"num_gpus={num_gpus} gives it {num_gpus}: pass num_gpus={needs}")
+                         f"num_gpus={num_gpus} gives it fewer: pass num_gpus={needs}")
     if num_gpus == 0:
         engine_kwargs.setdefault("device", "cpu")
     return Processor(model, engine_kwargs, sampling_params, concurrency, num_gpus, batch_size, max_retries)

@@ -283,7 +283,8 @@ class DataParallelLLM(Frontend):
         conn, process = self.conns[rank], self.processes[rank]
         if self._exclusive.closed:  # exit() from another thread: the pipes are closed or being drained by it
             raise self._exclusive.shut_down_meanwhile()
-        ready = connection.wait([conn, process.sentinel], timeout)
+        with self._pipes():
+            ready = connection.wait([conn, process.sentinel], timeout)
         if not ready:
             return None
         if conn in ready:
@@ -307,8 +308,19 @@ class DataParallelLLM(Frontend):
         return self._read(rank)[2]
 
     def _send(self, rank: int, message: tuple):
-        with whole_messages():
+        with self._pipes(), whole_messages():
             self.conns[rank].send(message)
+
+    @contextmanager
+    def _pipes(self):
+        """A pipe that exit() closed from another thread (after this thread's last look at `closed`) fails as the
+        call's shutdown, not as a bare OSError or ValueError."""
+        try:
+            yield
+        except (OSError, EOFError, ValueError):
+            if self._exclusive.closed:
+                raise self._exclusive.shut_down_meanwhile() from None
+            raise
 
     def _fail(self, text: str, user_error: BaseException | None = None):
         self.failure = text
@@ -334,11 +346,14 @@ class DataParallelLLM(Frontend):
     def _messages(self, call: int) -> Iterator[tuple[int, tuple]]:
         """(rank, message) of `call` as they come, until every replica on it has sent its final message; messages of
         ended calls are dropped."""
-        while any(c == call for c in self._open.values()) or self._exclusive.closed:
+        while True:
             if self._exclusive.closed:  # (exit() empties _open: the call would seem to end, its answers cut short)
                 raise self._exclusive.shut_down_meanwhile()
             ranks = [r for r, c in self._open.items() if c == call]
-            connection.wait([self.conns[r] for r in ranks] + [self.processes[r].sentinel for r in ranks])
+            if not ranks:
+                return
+            with self._pipes():
+                connection.wait([self.conns[r] for r in ranks] + [self.processes[r].sentinel for r in ranks])
             for rank in ranks:
                 message = self._read(rank, timeout=0)
                 if message is None or message[0] != call:

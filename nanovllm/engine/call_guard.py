@@ -41,21 +41,30 @@ class CallGuard:
 
 class Stream:
     """What stream() returns: its items, from a generator made by `start`. A first read refused because another call
-    holds the engine leaves the stream as it was made, so a later read starts it (the generator itself would have
-    ended with the refusal, and a retry would have yielded nothing, silently)."""
+    holds the engine leaves the stream as it was made, so a later read starts it. Any other error ends the stream:
+    every later read raises RuntimeError naming it (the generator itself would just stop, and a retry would have
+    yielded nothing, silently)."""
 
     def __init__(self, start: Callable[[], Iterator[dict]]):
         self._start, self._items, self._started = start, start(), False
+        self._error: BaseException | None = None
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> dict:
+        if self._error is not None:
+            raise RuntimeError(f"this stream ended with {type(self._error).__name__}: {self._error}; its requests "
+                               "were cancelled: make a new stream") from self._error
         try:
             item = next(self._items)
-        except Busy:
-            if not self._started:
+        except StopIteration:
+            raise
+        except BaseException as e:
+            if isinstance(e, Busy) and not self._started:  # (refused before anything was queued)
                 self._items = self._start()
+            else:
+                self._error = e
             raise
         self._started = True
         return item

@@ -204,6 +204,7 @@ class LLMEngine:
         self._request_ids = itertools.count()  # RequestOutput.request_id, as vLLM counts them
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token of each id seen, decoded once
         self._pending = None  # async scheduling: the decode step launched and not yet settled
+        self._stepping = threading.RLock()  # held while a step runs (exit() waits for it)
         # async scheduling: a step whose settle raised (a KeyboardInterrupt while waiting for the device): its
         # tokens are still on the device, and the next step reads them first (sampling it again would draw a seeded
         # request's next numbers, and leave its placeholders in the output)
@@ -219,10 +220,18 @@ class LLMEngine:
         if self._exclusive.closed:
             return
         self._exclusive.closed = True
-        on_cuda = self.config.device == "cuda"
-        self._finalizer()  # (once: later calls do nothing)
-        atexit.unregister(self._finalizer)
-        self.executor = None
+        # a step another thread is running finishes first (its call then ends with shut_down_meanwhile): tearing
+        # down under it would free its graphs or stop tensor-parallel workers mid-collective. (A re-entrant lock:
+        # exit() from the stepping thread itself goes on; the timeout keeps a stuck step from blocking exit.)
+        waited = self._stepping.acquire(timeout=60)
+        try:
+            on_cuda = self.config.device == "cuda"
+            self._finalizer()  # (once: later calls do nothing)
+            atexit.unregister(self._finalizer)
+            self.executor = None
+        finally:
+            if waited:
+                self._stepping.release()
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import torch
             gc.collect()
@@ -436,12 +445,12 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[Sequence], int]:
         try:
-            if self._exclusive.closed:  # (exit() from another thread: the executor is gone)
-                raise self._exclusive.shut_down_meanwhile()
-            return self._step_once()
+            with self._stepping:  # (exit() from another thread waits for this step before tearing down)
+                if self._exclusive.closed:  # (exit() from another thread: the executor is gone)
+                    raise self._exclusive.shut_down_meanwhile()
+                return self._step_once()
         except BaseException as e:
-            if self._exclusive.closed and isinstance(e, Exception) and not isinstance(e, RuntimeError):
-                # (the executor went while the step ran; a KeyboardInterrupt stays one)
+            if self._exclusive.closed and isinstance(e, Exception):  # (a KeyboardInterrupt stays one)
                 raise self._exclusive.shut_down_meanwhile() from e
             if self.scheduler.lora is not None:  # a slot's load may not have run: refill before using any
                 self.scheduler.lora.forget()

@@ -38,8 +38,9 @@ def test_bad_options_fail_before_any_actor(model):
         build_processor(model, concurrency=0)
     with pytest.raises(ValueError, match="num_gpus must be >= 0"):
         build_processor(model, num_gpus=float("nan"))
-    with pytest.raises(ValueError, match="each replica runs on 2 GPUs .* num_gpus=1 gives it 1: pass num_gpus=2"):
+    with pytest.raises(ValueError, match="each replica runs on 2 GPUs .* num_gpus=1 gives it fewer: pass num_gpus=2"):
         build_processor(model, engine_kwargs={"tensor_parallel_size": 2}, num_gpus=1)
+    build_processor(model, num_gpus=0.5)  # (two one-GPU actors sharing a GPU, as Ray places them)
 
 
 

@@ -133,3 +133,15 @@ def test_a_stream_refused_as_busy_can_be_read_later(llm, qwen3_tied):
         next(s2)
     s1.close()
     assert [t for item in s2 for t in item["token_ids"]] == hf_greedy(qwen3_tied, b, 12)
+
+
+def test_a_stream_that_failed_says_so_when_read_again(llm):
+    """A stream whose read raised (here: the engine asleep at its first item) ended with that error: read again, it
+    raises, naming it, rather than yield nothing as if it had no items."""
+    s = llm.stream([_prompts(12, 1)[0]], GREEDY)
+    llm.sleep(level=1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        next(s)
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match="this stream ended with RuntimeError: .*asleep.*make a new stream"):
+        list(s)

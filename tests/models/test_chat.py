@@ -251,6 +251,11 @@ def test_auto_content_format_follows_the_template(llm):
               "{% endfor %}{% endfor %}")
     assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=sliced)[0].prompt \
         == "<Hi>"
+    # a macro given the content that loops over it (Qwen3.5's templates), as vLLM detects it
+    macro = ("{% macro render(content) %}{% for p in content %}({{ p.text }}){% endfor %}{% endmacro %}"
+             "{% for m in messages %}{{ render(m.content) }}{% endfor %}")
+    assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=macro)[0].prompt \
+        == "(Hi)"
 
 
 def test_continue_final_message_with_the_generation_prompt_off_in_template_kwargs(llm):
