@@ -211,8 +211,8 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
             # (NaN would make every score NaN, and the beams come back in no order)
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -3,6 +3,7 @@ forbids, silently; such a schema is refused instead, naming the keyword and wher
 backend cannot enforce). tests/sampling/test_structured.py checks each rule against xgrammar itself, both ways: what is
 refused is not enforced, and what is allowed is."""
 import re
+from urllib.parse import unquote
 
 # Validation keywords xgrammar drops wherever they appear.
 IGNORED = {
@@ -16,6 +17,8 @@ IGNORED = {
     "contains": "xgrammar does not enforce contains (nor minContains/maxContains)",
     "minContains": "xgrammar does not enforce minContains",
     "maxContains": "xgrammar does not enforce maxContains",
+    "$dynamicRef": "xgrammar does not follow $dynamicRef (it lets any value through); use a local $ref",
+    "$recursiveRef": "xgrammar does not follow $recursiveRef (it lets any value through); use a local $ref",
 }
 # Words that describe a schema and constrain nothing; allowed beside $ref and the combinators.
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
@@ -33,6 +36,8 @@ OBJECT_SHAPES = ("properties", "additionalProperties", "unevaluatedProperties")
 # string through for
 FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
            "uri-template", "json-pointer", "relative-json-pointer"}
+# formats that allow every string (pydantic's SecretStr, bytes and Path): nothing for xgrammar to enforce
+ANY_STRING_FORMATS = {"password", "binary", "path"}
 # regex features xgrammar's JSON pattern reader takes as literal characters or cannot parse
 _PATTERN_UNSUPPORTED = re.compile(r"\(\?<?[=!]|\\[bB1-9]")
 _PY_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
@@ -68,7 +73,8 @@ def _resolve(root: dict, node):
     while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/") and seen < 32:
         target = root
         for part in node["$ref"][2:].split("/"):
-            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+            part = unquote(part).replace("~1", "/").replace("~0", "~")  # (a URI fragment: %24defs is $defs)
+            target = target.get(part) if isinstance(target, dict) else None
         node, seen = target, seen + 1
     return node
 
@@ -131,7 +137,8 @@ def _check(root: dict, node, path: str):
             _fail(f"{path}/{key}", f"xgrammar enforces {key} only beside \"type\": \"integer\" or \"number\"")
     for words, shapes, kind in ((ARRAY_WORDS, ARRAY_SHAPES, "array"), (OBJECT_WORDS, OBJECT_SHAPES, "object")):
         for key in words:
-            if key in node and kind not in types and not any(k in node for k in shapes):
+            # (beside another type the keyword never applies, and xgrammar's answer is the schema's)
+            if key in node and not types and not any(k in node for k in shapes):
                 _fail(f"{path}/{key}", f"xgrammar enforces {key} only beside \"type\": \"{kind}\" (or "
                       f"{'/'.join(shapes)}), and lets any value through here")
     if "multipleOf" in node and types & {"number"}:
@@ -144,7 +151,7 @@ def _check(root: dict, node, path: str):
     if len(shapes) > 1:
         _fail(f"{path}/{shapes[0]}", f"xgrammar enforces one of pattern, format and minLength/maxLength and ignores "
               f"the others; here {' and '.join(shapes)} (put the length into the pattern)")
-    if "format" in node and (not isinstance(node["format"], str) or node["format"] not in FORMATS):
+    if "format" in node and (not isinstance(node["format"], str) or node["format"] not in FORMATS | ANY_STRING_FORMATS):
         _fail(f"{path}/format", f"xgrammar does not enforce format {node['format']!r:.40} (only "
               f"{', '.join(sorted(FORMATS))}); use a pattern instead")
     pattern = node.get("pattern")

@@ -1,5 +1,5 @@
 """Structured outputs, with vLLM's names: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`
-constrains an answer to a JSON schema, any JSON object, a regex, one of several strings, or an EBNF grammar.
+constrains an answer to a JSON schema, any JSON object, a regex, one of several strings, or an EBNF or Lark grammar.
 
 StructuredOutputsParams is plain data (it travels pickled to data-parallel replicas and comes as a dict from Ray
 rows). GrammarCompiler turns it into an xgrammar grammar, compiled once per distinct spec, and gives every sequence
@@ -41,7 +41,8 @@ class StructuredOutputsParams:
     json_object: True for any JSON object;
     regex: the whole answer matches this regular expression;
     choice: the answer is exactly one of these strings;
-    grammar: an EBNF grammar as xgrammar reads it (GBNF-like, the root rule named `root`).
+    grammar: an EBNF grammar as xgrammar reads it (GBNF-like, the root rule named `root`), or a Lark grammar (rules
+    written `name: ...`, the start rule named `start`).
     disable_any_whitespace: JSON without free whitespace between tokens (compact separators); small models given
     free whitespace may fill an answer with blank lines."""
 
@@ -131,9 +132,14 @@ def _schema(value) -> dict:
 _LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.-?\d+)?\s*:", re.MULTILINE)
 
 
+_COMMENT = re.compile(r"(#|//).*$", re.MULTILINE)
+
+
 def is_lark(grammar: str) -> bool:
-    """Whether a grammar is Lark rather than EBNF: EBNF rules are written with ::=, Lark's with a colon."""
-    return "::=" not in grammar and _LARK_RULE.search(grammar) is not None
+    """Whether a grammar is Lark rather than EBNF: EBNF rules are written with ::=, Lark's with a colon (a ::= in
+    a comment says nothing, as vLLM reads it)."""
+    code = _COMMENT.sub("", grammar)
+    return "::=" not in code and _LARK_RULE.search(code) is not None
 
 
 def as_structured_outputs(value) -> "StructuredOutputsParams | None":

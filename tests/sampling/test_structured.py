@@ -13,6 +13,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling import json_schema
 
 xgr = pytest.importorskip("xgrammar", reason='structured outputs need xgrammar: pip install "nanovllm[structured]"')
 
@@ -191,6 +192,10 @@ def test_lark_grammar_as_vllm_takes_it(llm, reference):
         _assert_allowed(reference, compiled, out["token_ids"], "stop")
     with pytest.raises(ValueError, match="cannot be compiled"):  # a Lark grammar with an error is refused too
         llm.generate([[1]], _sp(StructuredOutputsParams(grammar="start: undefined_rule")), use_tqdm=False)
+    # a ::= in a comment does not make it EBNF (vLLM strips comments before looking)
+    commented = '// unlike EBNF (root ::= ...)\nstart: "yes" | "no"  # a choice'
+    out = llm.generate([[1]], _sp(StructuredOutputsParams(grammar=commented), max_tokens=4), use_tqdm=False)[0]
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
 
 
 def test_lark_grammar_on_an_xgrammar_without_lark(llm, monkeypatch):
@@ -641,6 +646,8 @@ REFUSED = {
     "patternProperties": ({"patternProperties": {"^x": INT}}, '{"x":1}', '{"x":"s"}'),
     "local $ref": ({"$ref": "https://example.com/int.json"}, "1", '"a"'),
     "format 'phone'": ({**STR, "format": "phone"}, '"+1 555 0100"', '"not a phone"'),
+    "$dynamicRef": ({"$defs": {"n": INT}, "$dynamicRef": "#/$defs/n"}, "1", '"zz"'),
+    "$recursiveRef": ({**OBJ, "properties": {"c": {"$recursiveRef": "#"}}}, '{"c":{"a":1}}', '{"c":"zz"}'),
 }
 # (schema, accepted, refused): what xgrammar enforces, kept
 ALLOWED = [
@@ -664,6 +671,8 @@ ALLOWED = [
     ({"allOf": [{**INT, "minimum": 3}]}, "3", "2"),
     ({"$defs": {"x": INT}, "$ref": "#/$defs/x", "description": "d"}, "1", '"a"'),
     ({**STR, "enum": ["a", "b"]}, '"a"', '"c"'),
+    ({**STR, "minItems": 2}, '"a"', "[1,2]"),  # beside another type an array keyword never applies
+    ({"oneOf": [{"$ref": "#/%24defs/i"}, {"$ref": "#/%24defs/s"}], "$defs": {"i": INT, "s": STR}}, "1", "true"),
 ]
 
 
@@ -688,6 +697,28 @@ def test_a_schema_keyword_xgrammar_drops_is_refused(keyword):
 def test_what_xgrammar_enforces_is_taken(schema, good, bad):
     StructuredOutputsParams(json=schema)
     assert _accepts(schema, good) and not _accepts(schema, bad)
+
+
+@pytest.mark.parametrize("fmt", sorted(json_schema.FORMATS))
+def test_every_format_taken_is_enforced(fmt):
+    schema = {**STR, "format": fmt}
+    StructuredOutputsParams(json=schema)
+    assert not _accepts(schema, '"!!! ~~~"')
+
+
+def test_a_pydantic_model_with_secretstr_bytes_and_path_is_taken():
+    """pydantic writes SecretStr, bytes and Path as formats "password", "binary" and "path", which every string
+    satisfies: nothing xgrammar drops, so the model is taken."""
+    from pathlib import Path
+
+    from pydantic import BaseModel, SecretStr
+
+    class Login(BaseModel):
+        token: SecretStr
+        blob: bytes
+        home: Path
+    StructuredOutputsParams(json=Login)
+    assert _accepts(Login.model_json_schema(), '{"token": "x", "blob": "y", "home": "/z"}')
 
 
 def test_the_age_example_is_refused(llm):

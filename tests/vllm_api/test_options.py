@@ -162,7 +162,8 @@ def test_beam_search_arguments(tiny, model):
     for kwargs, match in [(dict(beam_width=0, max_tokens=3), "beam_width"), (dict(beam_width=2, max_tokens=0),
                                                                             "max_tokens"),
                           (dict(beam_width=2, max_tokens=2, temperature=-1), "temperature"),
-                          (dict(beam_width=2, max_tokens=2, length_penalty=float("nan")), "length_penalty")]:
+                          (dict(beam_width=2, max_tokens=2, length_penalty=float("nan")), "length_penalty"),
+                          (dict(beam_width=2, max_tokens=2, temperature=float("nan")), "temperature must be a finite")]:
         with pytest.raises(ValueError, match=match):
             BeamSearchParams(**kwargs)
     with pytest.raises(TypeError, match="BeamSearchParams"):
