@@ -39,9 +39,14 @@ class NanoVLLM(TemplateLM):
                  lora_local_path: str | None = None, enable_thinking: bool | None = None,
                  chat_template_args: dict | None = None, **engine_kwargs):
         super().__init__()
-        # the chat template's extra variables (lm-eval's vLLM backend's: enable_thinking always, None when unset)
+        # the chat template's extra variables (lm-eval's vLLM backend's: enable_thinking always, None when unset; the
+        # model argument wins over one in chat_template_args)
         self.chat_template_args = dict(chat_template_args or {})
-        self.chat_template_args.setdefault("enable_thinking", enable_thinking)
+        if enable_thinking is not None or "enable_thinking" not in self.chat_template_args:
+            self.chat_template_args["enable_thinking"] = enable_thinking
+        if self.chat_template_args["enable_thinking"] and think_end_token is None:  # (lm-eval's vLLM backend's rule)
+            raise ValueError("enable_thinking=True needs think_end_token (e.g. think_end_token='</think>'), to cut the "
+                             "thinking from the answer")
         del batch_size, max_batch_size  # (lm-eval's batching: the engine schedules its own batches)
         if device == "cpu":  # lm-eval's --device ("cuda", its default, leaves the engine's choice: CUDA when present;
             engine_kwargs.setdefault("device", "cpu")  # pick a GPU with CUDA_VISIBLE_DEVICES)
@@ -103,6 +108,12 @@ class NanoVLLM(TemplateLM):
             # a template without a system role (Gemma's raises): without the system message, as lm-eval's vLLM and
             # transformers backends do
             return render([m for m in chat_history if m["role"] != "system"])
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if self.chat_template_args["enable_thinking"]:  # (as lm-eval's vLLM backend refuses them)
+            raise ValueError("enable_thinking=True does not go with loglikelihood tasks (nothing is generated to think "
+                             "in): run generative tasks, or leave enable_thinking unset")
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log P(continuation | context), whether greedy decoding gives the continuation) for each request; a

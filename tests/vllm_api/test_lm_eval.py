@@ -241,3 +241,15 @@ def test_enable_thinking_is_a_model_arg(qwen3_tied):
         assert model.chat_template_args == {"enable_thinking": False, "style": "x"}
     finally:
         model.llm.exit()
+    # lm-eval's vLLM backend's rules: the model argument wins; thinking needs think_end_token and a generative task
+    model = nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, enable_thinking=True,
+                                      think_end_token="</think>", chat_template_args={"enable_thinking": False})
+    try:
+        assert model.chat_template_args == {"enable_thinking": True}
+        from lm_eval.api.instance import Instance
+        with pytest.raises(ValueError, match="enable_thinking=True does not go with loglikelihood tasks"):
+            model.loglikelihood([Instance("loglikelihood", {}, ("a", " b"), 0)])
+    finally:
+        model.llm.exit()
+    with pytest.raises(ValueError, match="enable_thinking=True needs think_end_token"):
+        nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, enable_thinking=True)
