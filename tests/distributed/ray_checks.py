@@ -113,7 +113,7 @@ def test_rows_keep_64_bit_seeds_and_bad_rows_are_named(ray_cluster, model):
     assert exact != rounded and out[0] == exact
     for bad_rows, match in [([{"id": 7, "prompt": [1.9, 2.9]}], "row 0 of its batch \\(id=7\\): a prompt must be"),
                             ([{"id": 8, "prompt": "a"}, {"id": 9, "prompt": None}], "id=9\\): it has neither"),
-                            ([{"id": 5, "messages": [{"role": "user"}]}], "id=5\\): message 0 of conversation 0"),
+                            ([{"id": 5, "messages": [{"content": "no role"}]}], "id=5\\): message 0 of conversation 0"),
                             ([{"id": 6, "prompt": "a", "sampling_params": {"top_p": 2.0}}], "id=6\\): top_p")]:
         with pytest.raises(Exception, match=match):
             proc(ray.data.from_items(bad_rows)).take_all()
