@@ -40,7 +40,8 @@ class NanoVLLM(TemplateLM):
                  chat_template_args: dict | None = None, **engine_kwargs):
         super().__init__()
         # the chat template's extra variables (lm-eval's vLLM backend's: enable_thinking always, None when unset; the
-        # model argument wins over one in chat_template_args)
+        # model argument wins over one in chat_template_args, which lm-eval drops even when the argument is unset:
+        # here it is kept then, as given)
         self.chat_template_args = dict(chat_template_args or {})
         if enable_thinking is not None or "enable_thinking" not in self.chat_template_args:
             self.chat_template_args["enable_thinking"] = enable_thinking
