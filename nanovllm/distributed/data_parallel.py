@@ -455,6 +455,11 @@ class DataParallelLLM(Frontend):
     def _stream(self, checked: list[tuple]) -> Iterator[dict]:
         with self._exclusive("stream"):
             self._check_awake()  # (a stream may have been made before a sleep(), as on one engine)
+            # its adapters once more, as one engine's stream does: a remove_lora since stream() forgot one (the
+            # replicas read it again, so these books must list it again) or gave its id to another (ValueError)
+            loras = [lora for _, _, lora in checked]
+            if self.lora is not None and any(lora is not None for lora in loras):
+                self.lora.register(loras)
             call, shares = self._dispatch("stream", checked)
             try:
                 for rank, message in self._messages(call):
@@ -474,39 +479,49 @@ class DataParallelLLM(Frontend):
         and the first replica's error (a ValueError, TypeError or RuntimeError: a refusal, the replica unharmed)."""
         self._check_alive()
         with self._exclusive(what):
-            call = self._start("rpc", dict.fromkeys(range(self.num_replicas), (method, args, {})))
-            results, error = [None] * self.num_replicas, None
-            try:
-                for rank, message in self._messages(call):
-                    if message[1] == "raise":
-                        error = error or message[2]
-                    else:
-                        results[rank] = message[2]
-            finally:
-                self._end_calls()
-            return results, error
+            return self._rpc_held(method, *args)
+
+    def _rpc_held(self, method: str, *args) -> tuple[list, BaseException | None]:
+        """_on_every_replica for a caller that already holds the engine (_exclusive)."""
+        call = self._start("rpc", dict.fromkeys(range(self.num_replicas), (method, args, {})))
+        results, error = [None] * self.num_replicas, None
+        try:
+            for rank, message in self._messages(call):
+                if message[1] == "raise":
+                    error = error or message[2]
+                else:
+                    results[rank] = message[2]
+        finally:
+            self._end_calls()
+        return results, error
 
     def _check_awake(self):
         check_awake(self._asleep, self._weights_discarded)
 
     # ---- LoRA adapters: checked here, known to every replica --------------------------------------------
+    # (Both hold the engine before they touch this process's books, as one engine does: refused while a stream is
+    # open, they must leave the adapters as they were, or the books and the replicas' would name different ones.)
     def add_lora(self, lora_request) -> bool:
         """As LLMEngine.add_lora: checked here, then added on every replica."""
-        if lora_request is None:
-            raise TypeError("add_lora needs a LoRARequest, got None")
-        if self.lora is None:
-            raise ValueError("add_lora needs LoRA enabled: create the LLM with enable_lora=True")
-        self.lora.register([lora_request])
-        _, error = self._on_every_replica("add_lora", "add_lora", lora_request)
+        self._check_alive()
+        with self._exclusive("add_lora"):
+            if lora_request is None:
+                raise TypeError("add_lora needs a LoRARequest, got None")
+            if self.lora is None:
+                raise ValueError("add_lora needs LoRA enabled: create the LLM with enable_lora=True")
+            self.lora.register([lora_request])
+            _, error = self._rpc_held("add_lora", lora_request)
         if error is not None:
             raise error
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         """As LLMEngine.remove_lora, on every replica."""
-        if self.lora is None or not self.lora.remove(lora_id):
-            return False
-        _, error = self._on_every_replica("remove_lora", "remove_lora", lora_id)
+        self._check_alive()
+        with self._exclusive("remove_lora"):
+            if self.lora is None or not self.lora.remove(lora_id):
+                return False
+            _, error = self._rpc_held("remove_lora", lora_id)
         if error is not None:
             raise error
         return True

@@ -420,3 +420,28 @@ def test_exit_while_a_call_runs_gives_it_a_clear_error(chat_model, deadline):
         with pytest.raises(RuntimeError, match="shut down .* while the call ran"):
             list(stream)
         assert not any(p.is_alive() for p in llm.processes)
+
+
+def test_adapter_books_stay_those_of_the_replicas(qwen3_tied, lora_attention, lora_mixed, deadline):
+    """add_lora / remove_lora refused while a stream is open changed this process's list of adapters anyway (one
+    engine refuses before touching it), and a stream read after a remove_lora had the replicas read its adapter
+    again while this process still listed it as removed: list_loras and remove_lora then answered for adapters
+    the replicas did not have, or not for those they did."""
+    from nanovllm import LoRARequest
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = _prompts(31, 4)
+    with LLM(qwen3_tied, data_parallel_size=2, enable_lora=True, max_loras=2, **OPTIONS) as llm:
+        llm.generate(prompts, sp, lora_request=[lora_attention, lora_mixed] * 2, use_tqdm=False)
+        stream = llm.stream(prompts, sp)
+        next(stream)
+        with pytest.raises(RuntimeError, match="another call is using this engine"):
+            llm.remove_lora(lora_mixed.lora_int_id)
+        with pytest.raises(RuntimeError, match="another call is using this engine"):
+            llm.add_lora(LoRARequest("third", 3, lora_attention.lora_path))
+        assert llm.list_loras() == {1, 2}
+        stream.close()
+        stream = llm.stream(prompts[:2], sp, lora_request=lora_mixed)
+        assert llm.remove_lora(lora_mixed.lora_int_id) and llm.list_loras() == {1}
+        list(stream)  # read after the remove: served under the adapter, which every replica knows again
+        assert llm.list_loras() == {1, 2}
+        assert llm.remove_lora(lora_mixed.lora_int_id) and llm.list_loras() == {1}
