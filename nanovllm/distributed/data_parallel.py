@@ -15,6 +15,7 @@ import atexit
 import itertools
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -153,6 +154,14 @@ class Replica:
                 except RuntimeError as e:  # refused (asleep, requests running): the engine is unharmed
                     send((call, "raise", e))
                     return
+                except Exception as e:
+                    # collective_rpc runs a ModelRunner method the caller named, with the caller's arguments, on an
+                    # idle engine: whatever it raises is the caller's error, which one engine hands back and serves
+                    # on (it brought every replica down here). The other methods' errors stay failures.
+                    if method != "collective_rpc":
+                        raise
+                    send((call, "raise", _sendable(e)))
+                    return
                 send((call, "value", value))
                 return
             prompts, params, loras = payload
@@ -176,6 +185,16 @@ class Replica:
                 send((call, "done"))
         except (ValueError, TypeError) as e:  # a bad request or argument: the engine is unharmed
             send((call, "raise", e))
+
+
+def _sendable(error: Exception) -> Exception:
+    """`error`, or a RuntimeError with its text where it would not survive the pipe (an exception class whose
+    arguments do not rebuild it fails to unpickle in the parent, which would then wait forever for the call's end)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _stop_replicas(conns: list, processes: list):

@@ -445,3 +445,14 @@ def test_adapter_books_stay_those_of_the_replicas(qwen3_tied, lora_attention, lo
         list(stream)  # read after the remove: served under the adapter, which every replica knows again
         assert llm.list_loras() == {1, 2}
         assert llm.remove_lora(lora_mixed.lora_int_id) and llm.list_loras() == {1}
+
+
+def test_a_collective_rpc_that_raises_leaves_the_replicas_serving(dp, single, deadline):
+    """A ModelRunner method that raises something other than ValueError, TypeError or RuntimeError (here
+    AttributeError, from a bad argument) reaches the caller as one engine raises it; it shut every replica down."""
+    with pytest.raises(AttributeError) as expected:
+        single.collective_rpc("prepare", (None,))
+    with pytest.raises(AttributeError, match=str(expected.value)):
+        dp.collective_rpc("prepare", (None,))
+    prompts = _prompts(32, 4)
+    assert [o["token_ids"] for o in dp.generate(prompts, GREEDY, use_tqdm=False)] == _expected(single, prompts)
