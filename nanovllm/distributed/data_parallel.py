@@ -292,7 +292,7 @@ class DataParallelLLM(Frontend):
             raise
         self.requests = RequestChecker(config.hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
                                        config.kvcache_block_size, min(self.num_kvcache_blocks), self.tokenizer,
-                                       config.model, self._compile_grammar, longer=config.longer_prompts)
+                                       config.model, longer=config.longer_prompts)  # (grammars: _check_requests)
         logger.info("data parallel: %d replicas, %s", n, f"GPUs {gpus}" if gpus else f"{threads} CPU threads each")
 
     # ---- talking to replicas ----------------------------------------------------------------------
@@ -404,20 +404,29 @@ class DataParallelLLM(Frontend):
 
     def _check_requests(self, prompts, sampling_params, lora_request=None) -> list[tuple]:
         """Every request checked as one engine checks it, its adapter too (ValueError/TypeError before any replica
-        works): (token ids, SamplingParams, LoRARequest or None) each."""
+        works): (token ids, SamplingParams, LoRARequest or None, request id) each."""
         self._check_alive()
         if self._exclusive.closed:
             raise RuntimeError("this LLM has been shut down")
         self._check_awake()
         prompts, params, loras = as_request_lists(
             prompts, self.default_sampling_params if sampling_params is None else sampling_params, lora_request)
-        checked = [self.requests.check(p, sp) for p, sp in zip(prompts, params)]
+        checked = []
+        for prompt, sp in zip(prompts, params):
+            ids, sp = self.requests.check(prompt, sp)
+            # its RequestOutput.request_id, drawn where one engine draws it (LLMEngine.make_sequence): when the
+            # request is checked, before its grammar is compiled, in stream() too, so that ids go on as one
+            # engine's do after a refused call or a stream
+            request_id = str(next(self._request_ids))
+            if sp.structured_outputs is not None:
+                self._compile_grammar(sp.structured_outputs)  # a spec that cannot be enforced raises now
+            checked.append((ids, sp, request_id))
         if any(lora is not None for lora in loras):
             if self.lora is None:
                 raise ValueError("lora_request given, but LoRA is not enabled: create the LLM with enable_lora=True "
                                  "(and max_loras, max_lora_rank as needed), or pass lora_request=None")
             self.lora.register(loras)
-        return [(ids, sp, lora) for (ids, sp), lora in zip(checked, loras)]
+        return [(ids, sp, lora, request_id) for (ids, sp, request_id), lora in zip(checked, loras)]
 
     def _dispatch(self, kind: str, checked: list[tuple]) -> tuple[int, list[list[int]]]:
         """Route checked requests, send each replica its share; returns the call's id and the shares. Requests that
@@ -426,7 +435,7 @@ class DataParallelLLM(Frontend):
         self._check_alive()
         block = self.config.kvcache_block_size
         keys, tokens = [], []
-        for i, (ids, sp, lora) in enumerate(checked):
+        for i, (ids, sp, lora, _) in enumerate(checked):
             adapter = lora.lora_int_id if lora is not None else 0
             keys.append(hash((adapter, tuple(ids[:block])) if len(ids) > block else ("alone", i)))
             tokens.append(len(ids) + sp.n * sp.max_tokens)
@@ -446,7 +455,8 @@ class DataParallelLLM(Frontend):
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         self._check_alive()
         with self._exclusive("generate"):
-            call, shares = self._dispatch("generate", self._check_requests(prompts, sampling_params, lora_request))
+            checked = self._check_requests(prompts, sampling_params, lora_request)
+            call, shares = self._dispatch("generate", checked)
             try:
                 results, stats = [None] * sum(map(len, shares)), []
                 for rank, message in self._messages(call):
@@ -460,8 +470,9 @@ class DataParallelLLM(Frontend):
             finally:
                 self._end_calls()  # (nothing left to end unless this call failed or was interrupted)
             self.last_stats = sorted(stats, key=lambda s: s["replica"])
-            for out, prompt in zip(results, as_request_lists(prompts, None)[0]):  # (replicas saw token ids only)
-                out.prompt, out.request_id = prompt_parts(prompt)[0], str(next(self._request_ids))
+            for out, prompt, request in zip(results, as_request_lists(prompts, None)[0], checked):
+                out.request_id = request[3]  # (replicas saw token ids only, and count ids of their own)
+                out.prompt = prompt_parts(prompt)[0]
             return results
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -476,7 +487,7 @@ class DataParallelLLM(Frontend):
             self._check_awake()  # (a stream may have been made before a sleep(), as on one engine)
             # its adapters once more, as one engine's stream does: a remove_lora since stream() forgot one (the
             # replicas read it again, so these books must list it again) or gave its id to another (ValueError)
-            loras = [lora for _, _, lora in checked]
+            loras = [request[2] for request in checked]
             if self.lora is not None and any(lora is not None for lora in loras):
                 self.lora.register(loras)
             call, shares = self._dispatch("stream", checked)

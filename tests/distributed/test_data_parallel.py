@@ -456,3 +456,23 @@ def test_a_collective_rpc_that_raises_leaves_the_replicas_serving(dp, single, de
         dp.collective_rpc("prepare", (None,))
     prompts = _prompts(32, 4)
     assert [o["token_ids"] for o in dp.generate(prompts, GREEDY, use_tqdm=False)] == _expected(single, prompts)
+
+
+def test_request_ids_count_as_one_engine_counts_them(dp, single):
+    """One engine draws a request's id when it checks it: the requests of a stream, and those checked before a bad
+    one in a refused call, take ids. The front drew ids only for generate's outputs, so after a stream or a refused
+    call its request_ids were not one engine's."""
+    pytest.importorskip("xgrammar")
+    from nanovllm import StructuredOutputsParams
+
+    def ids_taken(llm) -> list[int]:
+        first = int(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].request_id)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2], [3, 4], [5, 999]], GREEDY, use_tqdm=False)
+        list(llm.stream([[1, 2], [3, 4]], GREEDY))
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= x"))
+        with pytest.raises(ValueError, match="grammar cannot be compiled"):
+            llm.generate([[1, 2], [3, 4]], [GREEDY, bad], use_tqdm=False)
+        return [int(o.request_id) - first for o in llm.generate([[1, 2], [3, 4]], GREEDY, use_tqdm=False)]
+
+    assert ids_taken(dp) == ids_taken(single) == [7, 8]
