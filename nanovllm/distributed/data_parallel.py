@@ -503,6 +503,23 @@ class DataParallelLLM(Frontend):
                 if self.failure is None and not self._exclusive.closed:
                     self._end_calls()
 
+    # ---- one engine's request-at-a-time loop: refused, saying what to use ----------------------------------
+    # (llm.llm_engine is this front: without these, vLLM-style code reading llm.llm_engine.add_request met a bare
+    # AttributeError that did not say why, or what to call instead)
+    def _no_step_api(self, what: str):
+        raise NotImplementedError(f"{what}() is not available with data_parallel_size > 1: the replicas serve whole "
+                                  "calls; use generate() or stream(), or an LLM with data_parallel_size=1 for "
+                                  "add_request / step")
+
+    def add_request(self, prompt=None, sampling_params=None, lora_request=None):
+        self._no_step_api("add_request")
+
+    def step(self):
+        self._no_step_api("step")
+
+    def is_finished(self) -> bool:
+        self._no_step_api("is_finished")
+
     # ---- weights and memory: every replica, as one engine ---------------------------------------------
     def _on_every_replica(self, what: str, method: str, *args) -> tuple[list, BaseException | None]:
         """LLMEngine.`method`(*args) on every replica, one call at a time: each replica's result in replica order,

@@ -476,3 +476,12 @@ def test_request_ids_count_as_one_engine_counts_them(dp, single):
         return [int(o.request_id) - first for o in llm.generate([[1, 2], [3, 4]], GREEDY, use_tqdm=False)]
 
     assert ids_taken(dp) == ids_taken(single) == [7, 8]
+
+
+def test_the_step_api_is_refused_saying_what_to_use(dp):
+    """llm.llm_engine.add_request / step / is_finished: one engine's loop, which replicas do not expose; a bare
+    AttributeError said neither why nor what to call."""
+    for call in (lambda: dp.llm_engine.add_request([1, 2, 3], GREEDY), dp.llm_engine.step, dp.llm_engine.is_finished):
+        with pytest.raises(NotImplementedError, match="data_parallel_size > 1.*use generate\\(\\) or stream\\(\\)"):
+            call()
+    assert [o["token_ids"] for o in dp.generate([[1, 2, 3]], GREEDY, use_tqdm=False)]
