@@ -107,7 +107,7 @@ def replica_main(rank: int, model: str, kwargs: dict, conn: connection.Connectio
     except BaseException as e:
         try:
             conn.send((0, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                       e if isinstance(e, (ValueError, TypeError)) else None))
+                       _sendable(e) if isinstance(e, (ValueError, TypeError)) else None))
         except Exception:
             pass
         os._exit(1)
@@ -151,14 +151,13 @@ class Replica:
                     raise ValueError(f"{method!r} is not a method replicas run; valid: {', '.join(REPLICA_METHODS)}")
                 try:
                     value = getattr(llm, method)(*args, **kwargs)
-                except RuntimeError as e:  # refused (asleep, requests running): the engine is unharmed
-                    send((call, "raise", e))
-                    return
                 except Exception as e:
-                    # collective_rpc runs a ModelRunner method the caller named, with the caller's arguments, on an
-                    # idle engine: whatever it raises is the caller's error, which one engine hands back and serves
-                    # on (it brought every replica down here). The other methods' errors stay failures.
-                    if method != "collective_rpc":
+                    # a refusal (a RuntimeError: asleep, requests running) leaves the engine unharmed; so does
+                    # whatever a collective_rpc method the caller named raises, which one engine hands back and
+                    # serves on. Not so the other methods' errors, nor any that took tensor-parallel workers down.
+                    workers = getattr(llm.executor, "workers", None)
+                    if (not isinstance(e, RuntimeError) and method != "collective_rpc") or \
+                            getattr(workers, "failure", None) is not None:
                         raise
                     send((call, "raise", _sendable(e)))
                     return
@@ -184,7 +183,7 @@ class Replica:
             else:
                 send((call, "done"))
         except (ValueError, TypeError) as e:  # a bad request or argument: the engine is unharmed
-            send((call, "raise", e))
+            send((call, "raise", _sendable(e)))
 
 
 def _sendable(error: Exception) -> Exception:
@@ -207,26 +206,28 @@ def _stop_replicas(conns: list, processes: list):
                 conn.send((-1, "exit", None))
             except (OSError, BrokenPipeError):
                 pass
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    alive = [i for i, p in enumerate(processes) if p.is_alive()]
-    while alive and time.monotonic() < deadline:
-        waiting = [conns[i] for i in alive if not conns[i].closed] + [processes[i].sentinel for i in alive]
-        for ready in connection.wait(waiting, max(0.0, deadline - time.monotonic())):
-            if isinstance(ready, connection.Connection):
-                try:
-                    ready.recv()
-                except (EOFError, OSError):
-                    ready.close()
-        alive = [i for i in alive if processes[i].is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(5.0)
-        if process.is_alive():
-            process.kill()
-        process.join()
-    for conn in conns:
-        conn.close()
+    try:
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        alive = [i for i, p in enumerate(processes) if p.is_alive()]
+        while alive and time.monotonic() < deadline:
+            waiting = [conns[i] for i in alive if not conns[i].closed] + [processes[i].sentinel for i in alive]
+            for ready in connection.wait(waiting, max(0.0, deadline - time.monotonic())):
+                if isinstance(ready, connection.Connection):
+                    try:
+                        ready.recv()
+                    except Exception:  # (EOF; or a message torn by another thread reading the same pipe)
+                        ready.close()
+            alive = [i for i in alive if processes[i].is_alive()]
+    finally:  # whatever happened above, no replica is left running
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+            process.join()
+        for conn in conns:
+            conn.close()
 
 
 # ---- this process's side -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens,
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
+EXIT_WAIT_S = 30  # how long exit() waits for a step another thread is running
 
 
 # generation_config.json fields that become the default SamplingParams (theirs -> ours), as vLLM does
@@ -220,18 +221,24 @@ class LLMEngine:
         if self._exclusive.closed:
             return
         self._exclusive.closed = True
+        on_cuda = self.config.device == "cuda"
         # a step another thread is running finishes first (its call then ends with shut_down_meanwhile): tearing
         # down under it would free its graphs or stop tensor-parallel workers mid-collective. (A re-entrant lock:
-        # exit() from the stepping thread itself goes on; the timeout keeps a stuck step from blocking exit.)
-        waited = self._stepping.acquire(timeout=60)
+        # exit() from the stepping thread itself goes on; the timeout keeps a stuck step from blocking exit; a
+        # KeyboardInterrupt while waiting still shuts down, or the engine would be closed but alive.)
+        waited = False
         try:
-            on_cuda = self.config.device == "cuda"
-            self._finalizer()  # (once: later calls do nothing)
-            atexit.unregister(self._finalizer)
-            self.executor = None
+            waited = self._stepping.acquire(timeout=EXIT_WAIT_S)
+            if not waited:
+                logger.warning("exit(): a step still running after %d s; shutting down under it", EXIT_WAIT_S)
         finally:
-            if waited:
-                self._stepping.release()
+            try:
+                self._finalizer()  # (once: later calls do nothing)
+                atexit.unregister(self._finalizer)
+                self.executor = None
+            finally:
+                if waited:
+                    self._stepping.release()
         if on_cuda:  # hand the cache, weights and graph pool back to the device
             import torch
             gc.collect()
@@ -444,11 +451,14 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> tuple[list[Sequence], int]:
+        with self._stepping:  # (exit() from another thread waits for this step before tearing down)
+            if self._exclusive.closed:  # (exit() from another thread: the executor is gone)
+                raise self._exclusive.shut_down_meanwhile()
+            return self._step_guarded()
+
+    def _step_guarded(self) -> tuple[list[Sequence], int]:
         try:
-            with self._stepping:  # (exit() from another thread waits for this step before tearing down)
-                if self._exclusive.closed:  # (exit() from another thread: the executor is gone)
-                    raise self._exclusive.shut_down_meanwhile()
-                return self._step_once()
+            return self._step_once()
         except BaseException as e:
             if self._exclusive.closed and isinstance(e, Exception):  # (a KeyboardInterrupt stays one)
                 raise self._exclusive.shut_down_meanwhile() from e

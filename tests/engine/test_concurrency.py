@@ -145,3 +145,19 @@ def test_a_stream_that_failed_says_so_when_read_again(llm):
     llm.wake_up()
     with pytest.raises(RuntimeError, match="this stream ended with RuntimeError: .*asleep.*make a new stream"):
         list(s)
+
+
+def test_exit_interrupted_while_it_waits_still_shuts_down(qwen3_tied):
+    """exit() waits for a step another thread is running; a KeyboardInterrupt during that wait still shuts the engine
+    down (it was left marked shut down, every call refused, its executor and memory alive, a second exit() a no-op)."""
+    llm = LLM(qwen3_tied, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128)
+
+    class Interrupted:
+        def acquire(self, timeout=-1):
+            raise KeyboardInterrupt
+    llm._stepping = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        llm.exit()
+    assert llm.executor is None and not llm._finalizer.alive
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
