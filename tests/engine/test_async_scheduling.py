@@ -160,9 +160,7 @@ def test_step_after_a_failed_settle_reads_the_step_again(qwen3_tied):
     """A settle that raises (a KeyboardInterrupt while waiting for the device) let its step go: its placeholders
     stayed in the output as token -1, and a later step found nothing to schedule. The step's tokens are still on
     the device: the next step() reads them, and every sample, seeded ones too, gets a fresh engine's tokens."""
-    from unittest import mock
-
-    import pytest
+    from tests.engine.faults import fail_a_step_then_finish
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)]
     prompts = _prompts(6, [20, 36])
@@ -173,10 +171,6 @@ def test_step_after_a_failed_settle_reads_the_step_again(qwen3_tied):
         samples = [[seq, *seq.forks] for seq in firsts]
         for _ in range(fail_at):
             llm.step()
-        with mock.patch.object(llm.executor, "settle", side_effect=KeyboardInterrupt):
-            with pytest.raises(KeyboardInterrupt):
-                llm.step()
-        while not llm.is_finished():
-            llm.step()
+        fail_a_step_then_finish(llm, "settle")
         assert [[s.completion_token_ids for s in ss] for ss in samples] == want
         assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks

@@ -359,7 +359,7 @@ def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
     """add_request, then a step() whose prefill fails (an error or KeyboardInterrupt in the executor): the prompts
     it completed must not be decoded as if prefilled (their K/V were never written). Stepping on gives the tokens of
     a fresh engine: greedy, n=3 seeded samples with prompt_logprobs, and a prompt that a later chunk reaches."""
-    from unittest import mock
+    from tests.engine.faults import fail_a_step_then_finish
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
@@ -373,11 +373,7 @@ def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
             samples = [[seq, *seq.forks] for seq in firsts]
             for _ in range(fail_at):
                 llm.step()
-            with mock.patch.object(llm.executor, "run", side_effect=KeyboardInterrupt):
-                with pytest.raises(KeyboardInterrupt):
-                    llm.step()
-            while not llm.is_finished():
-                llm.step()
+            fail_a_step_then_finish(llm, "run")
             assert [[s.completion_token_ids for s in ss] for ss in samples] == \
                 [[o.token_ids for o in out.outputs] for out in want]
             assert len(samples[1][0].prompt_logprobs) == len(want[1].prompt_logprobs)
@@ -388,10 +384,6 @@ def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
         want = llm.generate([long], sp, use_tqdm=False)[0]
         seq = llm.add_request(long, sp)
         llm.step()
-        with mock.patch.object(llm.executor, "run", side_effect=KeyboardInterrupt):
-            with pytest.raises(KeyboardInterrupt):
-                llm.step()
-        while not llm.is_finished():
-            llm.step()
+        fail_a_step_then_finish(llm, "run")
         assert seq.completion_token_ids == want.outputs[0].token_ids
         assert seq.prompt_logprobs == want.prompt_logprobs
