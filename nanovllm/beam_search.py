@@ -38,6 +38,9 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
     if 2 * params.beam_width > vocab:  # each step ranks 2 * beam_width candidates per beam
         raise ValueError(f"beam_width={params.beam_width}: beam search ranks 2 * beam_width candidates a step, more "
                          f"than the vocabulary's {vocab} tokens; use beam_width <= {vocab // 2}")
+    if llm.config.logprobs_mode.endswith("logits"):  # (beams are ranked by the sum of their tokens' logprobs)
+        raise ValueError(f"beam search ranks beams by logprobs, but this LLM returns logits "
+                         f"(logprobs_mode={llm.config.logprobs_mode!r}); use raw_logprobs or processed_logprobs")
     eos = set(llm.config.eos_token_ids)
     max_len = llm.config.max_model_len
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,

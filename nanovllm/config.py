@@ -9,6 +9,9 @@ from nanovllm.sampling_params import check_seed
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float": torch.float32, "half": torch.float16}  # (vLLM's aliases)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# vLLM's: what `logprobs` (and prompt_logprobs) hold. raw: the model's distribution (before penalties, temperature and
+# filters); processed: the one each token is drawn from; _logits: the logits themselves instead of logprobs
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 
@@ -52,6 +55,7 @@ class Config:
     # vLLM's: True caps max_model_len at the model's (smallest) sliding window, within which every layer attends to
     # the whole context, so no layer is windowed; no effect on a model without windows
     disable_sliding_window: bool = False
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (docs/usage.md)
 
     # Filled in by __post_init__ (not options).
     hf_config: object = field(default=None, init=False, repr=False)
@@ -114,6 +118,9 @@ class Config:
         if self.async_scheduling is None:  # on CPU nothing runs in the background, so there is nothing to overlap;
             # with tensor parallelism it works (rank 0 broadcasts each step's tokens) but is not yet measured on GPUs
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got "
+                             f"{self.logprobs_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got "
                              f"{self.attention_backend!r}")

@@ -56,6 +56,9 @@ class NanoVLLM(TemplateLM):
         if lora_local_path is not None:
             engine_kwargs.setdefault("enable_lora", True)
             self.lora = LoRARequest("finetuned", 1, lora_local_path)
+        if str(engine_kwargs.get("logprobs_mode", "")).endswith("logits"):  # (scores sum the prompt's logprobs)
+            raise ValueError(f"lm-eval's scores are sums of logprobs, but logprobs_mode="
+                             f"{engine_kwargs['logprobs_mode']!r} returns logits; leave it out (raw_logprobs)")
         self.llm = LLM(model, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.add_bos_token, self.think_end_token = add_bos_token, think_end_token

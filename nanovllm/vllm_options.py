@@ -37,8 +37,6 @@ DEFAULT_ONLY = {
     "enable_prompt_embeds": (False, "prompts are text or token ids"),
     "model_impl": ("auto", "nanovllm runs its own model code"),
     "config_format": ("auto", "config.json (or the .gguf header) is read"),
-    "logprobs_mode": ("raw_logprobs", "logprobs come from the model's raw distribution (before penalties, "
-                                      "temperature and filters); processed logprobs and logits are not returned"),
 }
 # accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
 NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",

@@ -80,7 +80,8 @@ class ModelRunner:
         self.backend.check_kv_cache_dtype(config.kv_cache_torch_dtype)
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.sampler = Sampler(config.hf_config.vocab_size, config.eos_token_ids, self.device)
+        self.sampler = Sampler(config.hf_config.vocab_size, config.eos_token_ids, self.device,
+                               logprobs_mode=config.logprobs_mode)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # small decode batches on CUDA: the model's forward with the ops between the linear layers folded into
         # their kernels (kernels/fused_step.py), where the model is one it takes
@@ -419,7 +420,8 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: ScheduledBatch, fb: ForwardBatch) -> list[list[dict[int, float]]] | None:
         """Every rank computes the LM head over the scored rows (tensor parallelism gathers on rank 0); rank 0
         returns, per sequence of batch.prompt_logprobs, {token: logprob} for the prompt token each row scores,
-        plus the k most likely (k = its prompt_logprobs), from the raw distribution."""
+        plus the k most likely (k = its prompt_logprobs), from the raw distribution (logits in a _logits
+        logprobs_mode)."""
         hidden, k = fb.prompt_hidden, 0
         if self.rank == 0:
             targets, ks = [], []

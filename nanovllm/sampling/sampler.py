@@ -58,12 +58,15 @@ class Sampler(nn.Module):
     processors, samples and lets the processors record the new tokens, all on the device."""
 
     def __init__(self, vocab_size: int = 0, eos_token_ids: list[int] = (), device: torch.device | str = "cpu",
-                 triton: bool | None = None):
+                 triton: bool | None = None, logprobs_mode: str = "raw_logprobs"):
         """triton: the race, penalties and logprobs as Triton kernels (default: on CUDA). Then the race draws its own
         Exp(1) noise from a per-step seed and seeded rows are keyed in Philox (kernels/race.py), not a generator each;
-        else the torch race below, their reference."""
+        else the torch race below, their reference. logprobs_mode: vLLM's (config.LOGPROBS_MODES), what `logprobs`
+        returns."""
         super().__init__()
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.processed = logprobs_mode.startswith("processed")
+        self.as_logits = logprobs_mode.endswith("logits")
         self.keyed = self.race_draws = self.device.type == "cuda" if triton is None else triton
         if self.keyed:
             from nanovllm.kernels.race import race
@@ -124,7 +127,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None):
         """Returns (token ids [batch] int64, logprobs or None). logprobs = (top values [batch, k], top ids [batch, k],
         sampled token's logprob [batch], its rank [batch]) from the raw distribution (with the grammar's constraint
-        applied, as in vLLM: tokens it forbids have logprob -inf)."""
+        applied, as in vLLM: tokens it forbids have logprob -inf), or in a processed logprobs_mode from the one the
+        token is drawn from (processed_logits: see that function)."""
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
         fused_logprobs = self._fused_logprobs(st.num_logprobs, logits.size(1))
         if (st.num_logprobs >= 0 and not fused_logprobs) or st.processors or filtered:
@@ -132,10 +136,11 @@ class Sampler(nn.Module):
         for processor, state in st.processors:
             if processor.is_constraint:
                 logits = processor.apply(logits, state)
-        raw = logits if st.num_logprobs >= 0 else None  # (the processors below return new tensors)
+        raw = logits if st.num_logprobs >= 0 and not self.processed else None  # (the processors return new tensors)
         for processor, state in st.processors:
             if not processor.is_constraint:
                 logits = processor.apply(logits, state)
+        kept = None  # (filtered batches: the sorted candidates top-k, top-p and min-p left, for processed logits)
         if st.all_greedy:  # nothing to draw: skip the softmax and the noise
             tokens = logits.argmax(-1)
         else:
@@ -151,7 +156,8 @@ class Sampler(nn.Module):
                 from nanovllm.kernels.race import exp_draws
                 draws = functools.partial(exp_draws, seed, keys=st.keys, streams=st.streams)
             if filtered:
-                tokens = _sample_filtered(logits, temperatures, st, generator, draws)
+                kept = _filter(logits, temperatures, st)
+                tokens = _race(kept[0], st, generator, kept[1], draws)
             elif self.race_draws:
                 tokens = self.race_fn(logits, temperatures, seed=seed, keys=st.keys, streams=st.streams)
             else:  # the race in log space needs no softmax: argmax(p / E) = argmax(logits / T - log E)
@@ -160,8 +166,10 @@ class Sampler(nn.Module):
                 tokens = torch.where(st.temperatures == 0, logits.argmax(-1), tokens)
         for processor, state in st.processors:
             processor.update(state, tokens)
-        if raw is None:
+        if st.num_logprobs < 0:
             return tokens, None
+        if self.processed:
+            raw = processed_logits(logits, st, kept)
         return tokens, self.logprobs(raw, st.num_logprobs, tokens)
 
     def _step_seed(self, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -180,9 +188,16 @@ class Sampler(nn.Module):
 
     def logprobs(self, raw: torch.Tensor, k: int, targets: torch.Tensor):
         """(top k logprobs [rows, k] or None for k = 0, their ids, the targets' logprobs [rows], the targets' ranks
-        [rows]) of raw logits [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax); the sampler's
-        tokens and the prompt tokens that prompt_logprobs scores. A rank, as vLLM's: how many tokens are at least as
-        likely (1: the most likely)."""
+        [rows]) of raw logits [rows, vocab], each as logit - logsumexp (no [rows, vocab] log_softmax), or the logits
+        themselves in a _logits logprobs_mode; the sampler's tokens and the prompt tokens that prompt_logprobs scores
+        (which no processor touches, so a processed mode scores them as its raw one does). A rank, as vLLM's: how many
+        tokens are at least as likely (1: the most likely)."""
+        if self.as_logits:
+            raw = raw.float()
+            top = raw.topk(k, -1) if k > 0 else None
+            targets_logits = raw.gather(1, targets.unsqueeze(1))
+            return (top.values if top else None, top.indices if top else None, targets_logits.squeeze(1),
+                    (raw >= targets_logits).sum(-1))
         if self._fused_logprobs(k, raw.size(1)):
             from nanovllm.kernels.logprobs import logprob_stats
             lse, top_values, top_ids = logprob_stats(raw, k)
@@ -223,12 +238,14 @@ def _race(probs: torch.Tensor, st: SamplingTensors, generator, token_ids: torch.
     return pick if token_ids is None else token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
-def _sample_filtered(logits: torch.Tensor, temperatures: torch.Tensor, st: SamplingTensors, generator,
-                     draws=None) -> torch.Tensor:
-    """min-p and top-k, then top-p over what they kept (renormalized), as vLLM orders them; then the race among the
-    rest. Each step needs a row's probabilities only up to a factor (min-p's threshold is relative to the top
-    probability, top-p's mass to what min-p and top-k kept, the race picks argmax(p / E)), so when every row has a
-    top-k, only the max_top_k best logits are ranked (topk instead of a full sort) and the softmax covers them alone."""
+def _filter(logits: torch.Tensor, temperatures: torch.Tensor,
+            st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """min-p and top-k, then top-p over what they kept (renormalized), as vLLM orders them: (the candidates'
+    probabilities, best first, 0 where removed [batch, c]; their token ids [batch, c]; which were removed [batch, c]),
+    for the race among the rest.
+    Each step needs a row's probabilities only up to a factor (min-p's threshold is relative to the top probability,
+    top-p's mass to what min-p and top-k kept, the race picks argmax(p / E)), so when every row has a top-k, only the
+    max_top_k best logits are ranked (topk instead of a full sort: c = max_top_k) and the softmax covers them alone."""
     if st.max_top_k < logits.size(1):
         values, order = logits.topk(st.max_top_k, -1)
         sorted_probs = torch.softmax(values / temperatures, -1)
@@ -246,4 +263,21 @@ def _sample_filtered(logits: torch.Tensor, temperatures: torch.Tensor, st: Sampl
         mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
         remove |= mass_before >= st.top_ps.unsqueeze(1)
     remove[:, 0] = False  # the most likely token always stays
-    return _race(sorted_probs.masked_fill(remove, 0.0), st, generator, order, draws)
+    return sorted_probs.masked_fill(remove, 0.0), order, remove
+
+
+def processed_logits(logits: torch.Tensor, st: SamplingTensors, kept: tuple | None) -> torch.Tensor:
+    """vLLM's processed logits [batch, vocab] float32: the logits after the processors, divided by the temperature
+    (a greedy row's by 1, as vLLM does), with -inf for every token top-k, top-p and min-p removed (kept: _filter's
+    result for the batch, None when no row filters). Their softmax is what the sampler draws each row's token from,
+    so the token drawn always has a finite value."""
+    greedy = st.temperatures == 0
+    temperatures = st.clamped if st.clamped is not None else st.temperatures.clamp(min=MIN_TEMPERATURE)
+    out = logits.float() / torch.where(greedy, 1.0, temperatures).unsqueeze(1)  # (the race's temperatures)
+    if kept is not None:
+        _, order, remove = kept
+        removed = torch.ones_like(out, dtype=torch.bool)  # (past the max_top_k candidates: removed)
+        removed.scatter_(1, order, remove)
+        removed &= ~greedy.unsqueeze(1)  # (a greedy row's own filters are off)
+        out.masked_fill_(removed, float("-inf"))
+    return out

@@ -253,3 +253,13 @@ def test_enable_thinking_is_a_model_arg(qwen3_tied):
         model.llm.exit()
     with pytest.raises(ValueError, match="enable_thinking=True needs think_end_token"):
         nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, enable_thinking=True)
+
+
+def test_logits_logprobs_modes_are_refused(qwen3_tied):
+    """Scores are sums of prompt logprobs: an engine returning logits would give wrong scores without a word."""
+    import nanovllm.lm_eval
+    with pytest.raises(ValueError, match="returns logits; leave it out"):
+        nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32, logprobs_mode="raw_logits")
+    model = nanovllm.lm_eval.NanoVLLM(pretrained=qwen3_tied, device="cpu", max_model_len=32,
+                                      logprobs_mode="processed_logprobs")  # (prompt logprobs stay raw ones)
+    model.llm.exit()
