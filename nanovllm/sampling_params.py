@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 
 from nanovllm.sampling.structured_outputs import StructuredOutputsParams, as_structured_outputs
 
+MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a temperature in (0, 0.01) samples at 0.01
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -28,7 +30,8 @@ def sample_seed(seed: int, sample_index: int) -> int:
 class SamplingParams:
     """Per-request generation options (names as in vLLM).
 
-    temperature 0 means greedy. top_k -1 or 0, top_p 1 and min_p 0 switch those filters off.
+    temperature 0 means greedy; one in (0, 0.01) is raised to 0.01, as vLLM does. top_k -1 or 0, top_p 1 and min_p 0
+    switch those filters off.
     logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens (k=-1: every
     token of the vocabulary, as in vLLM) plus the sampled one, from the model's distribution before penalties,
     temperature and filtering (after a grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
@@ -101,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:  # (vLLM logs a warning and does the same)
+            self.temperature = MIN_SAMPLING_TEMPERATURE
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
         if not 0 < self.top_p <= 1:

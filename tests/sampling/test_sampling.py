@@ -522,8 +522,25 @@ def test_prepare_sends_the_clamped_temperatures_with_the_temperatures():
         copies.append(dtype)
         return torch.tensor(data, dtype=dtype)
     from nanovllm.engine.sequence import Sequence
-    seqs = [Sequence([1, 2, 3], 16, SamplingParams(temperature=t)) for t in (0.0, 0.7, 1e-7)]
+    seqs = [Sequence([1, 2, 3], 16, SamplingParams(temperature=t)) for t in (0.0, 0.7, 0.01)]
     st = Sampler().prepare(seqs, [True] * 3, to_device)
     assert copies == [torch.float32]
-    assert st.temperatures.tolist() == torch.tensor([0.0, 0.7, 1e-7]).tolist()
-    assert st.clamped.tolist() == torch.tensor([0.0, 0.7, 1e-7]).clamp(min=MIN_TEMPERATURE).tolist()
+    assert st.temperatures.tolist() == torch.tensor([0.0, 0.7, 0.01]).tolist()
+    assert st.clamped.tolist() == torch.tensor([0.0, 0.7, 0.01]).clamp(min=MIN_TEMPERATURE).tolist()
+
+
+def test_a_temperature_under_a_hundredth_samples_at_a_hundredth():
+    """vLLM raises a temperature in (0, 0.01) to 0.01: two logits 0.01 apart are drawn about 73 / 27 at 1e-3 as at
+    0.01 (sampling at 1e-3 itself would give the second one 5e-5 of the draws)."""
+    from nanovllm.engine.sequence import Sequence
+    logits = torch.tensor([1.0, 0.99, -1.0, -3.0])
+    rows = 4000
+    for t in (1e-3, 1e-7):
+        sp = SamplingParams(temperature=t)
+        assert sp.temperature == 0.01 and not sp.greedy
+        seqs = [Sequence([1, 2, 3], 16, sp) for _ in range(rows)]
+        st = Sampler(4).prepare(seqs, [True] * rows, lambda data, dtype: torch.tensor(data, dtype=dtype))
+        tokens, _ = Sampler(4)(logits.expand(rows, -1).clone(), st, torch.Generator().manual_seed(0))
+        counts = torch.bincount(tokens, minlength=4).float()
+        assert _chi_square(counts, torch.softmax(logits.double() / 0.01, -1).float()) < CHI2_999[1]
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
