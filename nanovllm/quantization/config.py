@@ -65,13 +65,36 @@ def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
     if quantization is not None and quantization != method:
         raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} (its "
                          "config.json's quantization_config); pass quantization=None to load it as it is")
-    if method == "fp8":
-        return _fp8(spec)
-    if method == "compressed-tensors":
-        return _compressed_tensors(spec)
-    raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does not "
-                     "support; supported: 'fp8' (e4m3 weights, dynamic activations) and 'compressed-tensors' "
-                     "(float-quantized fp8)")
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does not "
+                         "support; supported: 'fp8' (e4m3 weights, dynamic activations) and 'compressed-tensors' "
+                         "(float-quantized fp8)")
+    online = _online_transforms(spec.get("transform_config"))
+    if online:  # (the weights are stored rotated: without the rotation of x or y every product is wrong, silently)
+        raise ValueError(f"the checkpoint's quantization_config has a transform_config with online rotations "
+                         f"({', '.join(online[:3])}), which nanovllm does not implement: QuIP/SpinQuant-style "
+                         "transforms of the activations at run time, without which its weights compute wrong results")
+    return _fp8(spec) if method == "fp8" else _compressed_tensors(spec)
+
+
+def _online_transforms(transforms) -> list[str]:
+    """compressed-tensors' transform_config: '<group> at <location>' for each transform applied at run time (to a
+    layer's input or output, queries, the KV cache); those at weight_input / weight_output are fused into the stored
+    weights, as vLLM reads them."""
+    if not transforms:
+        return []
+    groups = (transforms.get("config_groups") or transforms.get("transform_groups")) if isinstance(transforms, dict) \
+        else None
+    if not isinstance(groups, dict):
+        return [f"{transforms!r:.60}"]  # (a form not read here: not run without its rotations)
+    online = []
+    for name, scheme in groups.items():
+        apply = scheme.get("apply") if isinstance(scheme, dict) else None
+        for args in apply if isinstance(apply, list) else [None]:
+            location = args.get("location") if isinstance(args, dict) else None
+            if location not in ("weight_input", "weight_output"):
+                online.append(f"{name} at {location}")
+    return online
 
 
 def _fp8(spec: dict) -> QuantConfig:

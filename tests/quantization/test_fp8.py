@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from tests.quantization.checkpoints import QWEN_CONFIG, edit_config, edit_tensors, make_fp8
+from tests.quantization.checkpoints import CT_CONFIG, QWEN_CONFIG, edit_config, edit_tensors, make_fp8
 from tests.tiny_models import hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -166,6 +166,27 @@ def _variant(source: str, path, **config) -> str:
     return edit_config(os.fspath(path), **config)
 
 
+def test_transforms_fused_into_the_weights_need_nothing_at_run_time():
+    """A transform_config whose rotations are all fused into the stored weights (SpinQuant's R1/R2: weight_input,
+    weight_output) loads as a plain checkpoint, as vLLM reads it; only online ones are refused (above)."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    fused = {"config_groups": {"R1": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "weight_input", "inverse": True},
+        {"targets": ["Linear"], "location": "weight_output"}]}}}
+    assert quant_config(SimpleNamespace(quantization_config={**CT_CONFIG, "transform_config": fused}), None)
+
+
+QUIP = {"config_groups": {
+    "v": {"type": "hadamard", "randomize": True, "apply": [
+        {"targets": ["Linear"], "location": "input", "ignore": ["lm_head"]},
+        {"targets": ["Linear"], "location": "weight_input", "inverse": True, "ignore": ["lm_head"]}]},
+    "u": {"type": "hadamard", "randomize": True, "apply": [
+        {"targets": ["Linear"], "location": "weight_output", "ignore": ["lm_head"]},
+        {"targets": ["Linear"], "location": "output", "inverse": True, "ignore": ["lm_head"]}]}}}
+
+
 @pytest.mark.parametrize("config,message", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq', which nanovllm does not support"),
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
@@ -176,6 +197,9 @@ def _variant(source: str, path, **config) -> str:
     ({**QWEN_CONFIG, "weight_block_size": [128, 16]}, "the columns' at least 32"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized' is not supported"),
+    # QuIP's rotations (llm-compressor's template): W is stored rotated, x and y must be rotated at run time
+    ({**CT_CONFIG, "transform_config": QUIP}, r"transform_config with online rotations \(v at input, u at output\)"),
+    ({**QWEN_CONFIG, "transform_config": QUIP}, r"transform_config with online rotations \(v at input, u at output\)"),
 ])
 def test_unsupported_formats_are_refused(qwen_fp8, tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
