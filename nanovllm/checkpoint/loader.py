@@ -259,6 +259,8 @@ _SCALE_HINTS = {
     "weight_scale": ": fp8 weight scales, which this quantization_config does not name (Qwen's block format stores "
                     "weight_scale_inv; a module its ignore list names has none)",
     "input_scale": ": a static activation scale; nanovllm quantizes activations dynamically only",
+    **dict.fromkeys(("k_scale", "v_scale", "output_scale"), ": a static KV-cache scale (a kv_cache_scheme), which "
+                    "nanovllm does not read; kv_cache_dtype='fp8' scales each token's keys and values itself"),
 }
 
 

@@ -104,6 +104,9 @@ def _fp8(spec: dict) -> QuantConfig:
     if str(spec.get("activation_scheme", "dynamic")).lower() != "dynamic":  # (transformers lowercases it)
         raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported (static "
                          "activation scales); only 'dynamic'")
+    if spec.get("kv_cache_scheme"):  # (AutoFP8's "static": k/v_proj.output_scale tensors no layer here reads)
+        raise ValueError(f"{where}: kv_cache_scheme {spec['kv_cache_scheme']!r} (static KV-cache scales) is not "
+                         "supported; use kv_cache_dtype='fp8' for an 8-bit cache")
     block = spec.get("weight_block_size")
     ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
     hf_ignore = tuple(spec.get("modules_to_not_convert") or ())

@@ -195,6 +195,8 @@ QUIP = {"config_groups": {
     ({**QWEN_CONFIG, "activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\] is not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 16]}, "the columns' at least 32"),
+    ({**QWEN_CONFIG, "kv_cache_scheme": "static"}, r"kv_cache_scheme 'static' \(static KV-cache scales\) is not "
+                                                   "supported; use kv_cache_dtype='fp8'"),  # (AutoFP8's)
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized' is not supported"),
     # QuIP's rotations (llm-compressor's template): W is stored rotated, x and y must be rotated at run time
@@ -265,6 +267,11 @@ def test_missing_or_misshapen_scales_and_fp8_without_a_config_are_refused(qwen_f
     with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model's parameter is torch.float32: an fp8 "
                                          "checkpoint needs its quantization_config"):
         LLM(bare)
+    # a static KV-cache scale (AutoFP8's k_proj.output_scale) no layer reads: named as one
+    kv = _variant(qwen_fp8, tmp_path / "kv-scales")
+    edit_tensors(kv, replace={"model.layers.0.self_attn.k_proj.output_scale": torch.tensor(0.01)})
+    with pytest.raises(ValueError, match=r"output_scale' matches no parameter .*: a static KV-cache scale"):
+        LLM(kv)
     # no weight_block_size: one scale per tensor (weight_scale), as vLLM reads it; transformers assumes 128 x 128
     blockless = _variant(qwen_fp8, tmp_path / "blockless", quantization_config={
         k: v for k, v in QWEN_CONFIG.items() if k != "weight_block_size"})
