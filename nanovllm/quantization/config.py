@@ -134,6 +134,10 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
                          "(fp8 weights)")
     if spec.get("kv_cache_scheme"):
         raise ValueError(f"{where}: kv_cache_scheme is not supported (use kv_cache_dtype='fp8' for an 8-bit cache)")
+    sparsity = spec.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":  # (weights stored as kept values and bitmasks: no `weight` tensor)
+        raise ValueError(f"{where}: sparsity_config format {sparsity['format']!r} (compressed sparse weights) is not "
+                         "supported; only 'dense' (sparse weights stored whole)")
     groups = spec.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{where}: {len(groups)} config_groups; exactly one (every Linear quantized alike) is "

@@ -178,6 +178,16 @@ def test_transforms_fused_into_the_weights_need_nothing_at_run_time():
     assert quant_config(SimpleNamespace(quantization_config={**CT_CONFIG, "transform_config": fused}), None)
 
 
+def test_a_dense_sparsity_config_loads_as_it_is():
+    """2:4 sparse weights stored whole (sparsity_config format 'dense') are plain fp8 weights with zeros in them;
+    only compressed sparse formats are refused (below)."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    dense = {"format": "dense", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": ["lm_head"]}
+    assert quant_config(SimpleNamespace(quantization_config={**CT_CONFIG, "sparsity_config": dense}), None)
+
+
 QUIP = {"config_groups": {
     "v": {"type": "hadamard", "randomize": True, "apply": [
         {"targets": ["Linear"], "location": "input", "ignore": ["lm_head"]},
@@ -199,6 +209,9 @@ QUIP = {"config_groups": {
                                                    "supported; use kv_cache_dtype='fp8'"),  # (AutoFP8's)
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized' is not supported"),
+    ({**CT_CONFIG, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
+                                        "targets": ["Linear"], "ignore": ["lm_head"]}},
+     "sparsity_config format 'sparse-24-bitmask' \\(compressed sparse weights\\) is not supported"),
     # QuIP's rotations (llm-compressor's template): W is stored rotated, x and y must be rotated at run time
     ({**CT_CONFIG, "transform_config": QUIP}, r"transform_config with online rotations \(v at input, u at output\)"),
     ({**QWEN_CONFIG, "transform_config": QUIP}, r"transform_config with online rotations \(v at input, u at output\)"),
