@@ -53,6 +53,8 @@ def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
         raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATION_METHODS))}, got "
                          f"{quantization!r}")
     spec = getattr(hf_config, "quantization_config", None)
+    if spec is None:  # (compressed-tensors' earlier checkpoints name it compression_config, which vLLM reads too)
+        spec = getattr(hf_config, "compression_config", None)
     if spec is not None and not isinstance(spec, dict):
         spec = spec.to_dict() if hasattr(spec, "to_dict") else vars(spec)
     if not spec:

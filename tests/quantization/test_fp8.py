@@ -51,6 +51,17 @@ def test_fp8_checkpoints_give_transformers_tokens_on_their_dequantized_weights(f
     assert any(hf_greedy(base, p, 16) != hf_greedy(reference, p, 16) for p in prompts)
 
 
+def test_compressed_tensors_config_named_compression_config(base, tmp_path):
+    """Earlier llm-compressor checkpoints name their config compression_config in config.json (vLLM reads it when
+    there is no quantization_config): the same checkpoint, the same tokens."""
+    fp8, reference = make_fp8(base, tmp_path / "fp8", "compressed-tensors", tmp_path / "reference")
+    edit_config(fp8, quantization_config=None, compression_config=CT_CONFIG)
+    prompt = prompts_of(8, [9])[0]
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        assert llm.config.quant is not None
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
 def test_tensor_parallel_shards_weights_and_scales(fp8_pair):
     fp8, reference = fp8_pair
     prompts = prompts_of(1, [5, 33])
