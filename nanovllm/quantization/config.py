@@ -64,13 +64,13 @@ def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
                              "quantization='fp8'")
         return QuantConfig("fp8", online=True) if quantization == "fp8" else None
     method = spec.get("quant_method")
-    if quantization is not None and quantization != method:
-        raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} (its "
-                         "config.json's quantization_config); pass quantization=None to load it as it is")
-    if method not in QUANTIZATION_METHODS:
+    if method not in QUANTIZATION_METHODS:  # (first: saying to pass quantization=None would not help)
         raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does not "
                          "support; supported: 'fp8' (e4m3 weights, dynamic activations) and 'compressed-tensors' "
                          "(float-quantized fp8)")
+    if quantization is not None and quantization != method:
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} (its "
+                         "config.json's quantization_config); pass quantization=None to load it as it is")
     online = _online_transforms(spec.get("transform_config"))
     if online:  # (the weights are stored rotated: without the rotation of x or y every product is wrong, silently)
         raise ValueError(f"the checkpoint's quantization_config has a transform_config with online rotations "

@@ -250,7 +250,7 @@ def test_what_the_configs_say_about_activations():
     assert online.online and online.activations and online.block == (1, None)
 
 
-def test_bad_quantization_options(base, qwen_fp8):
+def test_bad_quantization_options(base, qwen_fp8, tmp_path):
     with pytest.raises(ValueError, match="quantization must be None or one of 'fp8', 'compressed-tensors', got 'awq'"):
         LLM(base, quantization="awq")
     with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint in that format"):
@@ -258,6 +258,9 @@ def test_bad_quantization_options(base, qwen_fp8):
     with pytest.raises(ValueError, match="quantization='compressed-tensors', but the checkpoint is quantized with "
                                          "'fp8'"):
         LLM(qwen_fp8, quantization="compressed-tensors")
+    awq = _variant(qwen_fp8, tmp_path / "awq", quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method 'awq', which nanovllm does not support"):  # (not: pass None)
+        LLM(awq, quantization="fp8")
     with pytest.raises(TypeError, match="quantization must be a str or None"):
         LLM(base, quantization=8)
 
