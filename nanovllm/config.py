@@ -163,6 +163,9 @@ class Config:
             self.hf_config.sliding_window = None
         from nanovllm.quantization import quant_config
         self.quant = quant_config(self.hf_config, self.quantization)
+        if os.path.isdir(self.model):
+            from nanovllm.quantization.config import check_quant_files
+            check_quant_files(self.model, self.quant)
         if self.quant is not None and self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"fp8 weights need a GPU with fp8 support (compute capability 8.9 or later: Ada, Hopper); "
                              f"this one is {torch.cuda.get_device_capability()}")

@@ -1,6 +1,7 @@
 """What a model's weights are quantized as: read from config.json's quantization_config (the checkpoint's own
 format) or asked for with LLM(quantization="fp8") (16/32-bit weights quantized at load). Anything else is refused
 with an error naming it."""
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -77,6 +78,17 @@ def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
                          f"({', '.join(online[:3])}), which nanovllm does not implement: QuIP/SpinQuant-style "
                          "transforms of the activations at run time, without which its weights compute wrong results")
     return _fp8(spec) if method == "fp8" else _compressed_tensors(spec)
+
+
+def check_quant_files(model: str, quant: QuantConfig | None):
+    """ValueError for a checkpoint whose config.json names no quantization but which holds NVIDIA ModelOpt's
+    hf_quant_config.json (its quantization config kept beside config.json, as vLLM reads it): its fp8 tensors would
+    otherwise be refused one by one as lacking a quantization_config."""
+    file = os.path.join(model, "hf_quant_config.json")
+    if (quant is None or quant.online) and os.path.isfile(file):
+        raise ValueError(f"{file} makes this a ModelOpt quantized checkpoint (its quantization config kept beside "
+                         "config.json), which nanovllm does not support; it loads FP8 checkpoints in Qwen's and "
+                         "compressed-tensors' formats (docs/quantization.md)")
 
 
 def _online_transforms(transforms) -> list[str]:

@@ -517,6 +517,17 @@ def test_an_ignore_list_that_splits_a_packed_layer_is_refused(qwen_fp8, tmp_path
         LLM(fp8)
 
 
+def test_a_modelopt_checkpoint_is_refused_by_name(qwen_fp8, tmp_path):
+    """NVIDIA ModelOpt keeps its quantization config in hf_quant_config.json, none in config.json (vLLM reads the
+    file): refused naming it, not as fp8 tensors lacking a quantization_config."""
+    modelopt = _variant(qwen_fp8, tmp_path / "modelopt", quantization_config=None)
+    with open(os.path.join(modelopt, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}, f)
+    for quantization in (None, "fp8"):
+        with pytest.raises(ValueError, match="hf_quant_config.json makes this a ModelOpt quantized checkpoint"):
+            LLM(modelopt, quantization=quantization)
+
+
 def test_weight_updates_are_refused_on_fp8_weights(qwen_fp8):
     with LLM(qwen_fp8, kvcache_block_size=16) as llm:
         before = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
