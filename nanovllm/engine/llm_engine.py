@@ -130,6 +130,9 @@ class _Background:
         except BaseException as e:  # handed to the caller of result()
             self._error = e
 
+    def wait(self):
+        self._thread.join()
+
     def result(self):
         self._thread.join()
         if self._error is not None:
@@ -158,14 +161,21 @@ class LLMEngine:
             if config.load_format != "dummy":
                 raise
             tokenizer = None  # a bare config.json for benchmarks: token-id prompts only
-        # generation_config.json is read before any process starts: a bad default fails here, with nothing to undo
-        self.default_sampling_params = default_sampling_params(config.model)
-        if config.device == "cuda":
-            # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its weights and KV cache
-            # until the collector runs: collect now, before this one loads weights and sizes its cache from what
-            # is free (otherwise the next LLM(...) can find no memory left for its cache)
-            gc.collect()
-        self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
+        try:
+            # generation_config.json is read before any process starts: a bad default fails here, with nothing to undo
+            self.default_sampling_params = default_sampling_params(config.model)
+            if config.device == "cuda":
+                # an engine dropped inside a reference cycle (a notebook's, a test's) keeps its weights and KV cache
+                # until the collector runs: collect now, before this one loads weights and sizes its cache from what
+                # is free (otherwise the next LLM(...) can find no memory left for its cache)
+                gc.collect()
+            self.executor = make_executor(config)  # with tensor_parallel_size > 1, spawns the other ranks
+        except BaseException:
+            # the tokenizer thread's first import of transformers, left running, made the next LLM(...)'s import of
+            # AutoTokenizer fail (ImportError: cannot import name): let it finish
+            if tokenizer is not None:
+                tokenizer.wait()
+            raise
         # shuts the executor down when the engine is garbage-collected without exit(): it holds the executor, never
         # the engine, so `del llm` frees the GPU memory for the next LLM (a bound method registered with atexit
         # kept the engine, its weights and its KV cache, alive until exit). Also registered with atexit itself:

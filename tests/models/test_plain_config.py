@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,27 @@ def test_only_the_tokenizer_thread_imports_transformers(checkpoints):
                "print(llm.generate(['Hello world'], SamplingParams(max_tokens=2), use_tqdm=False)[0]['token_ids'])\n"
                "print(*sorted(threads))\n", checkpoints["qwen3"])
     assert out.splitlines()[-1] == "nanovllm-tokenizer"
+
+
+def test_a_start_that_fails_while_loading_leaves_the_next_one_its_tokenizer(tmp_path, checkpoints):
+    """LLM(...) refused while loading weights (a checkpoint lacking a tensor), then LLM(...) again in the same fresh
+    process: the failed start's tokenizer thread, still importing transformers, made the second's import of
+    AutoTokenizer fail (ImportError: cannot import name 'AutoTokenizer')."""
+    from safetensors.torch import load_file, save_file
+    broken = shutil.copytree(checkpoints["qwen3"], tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("layers.1.mlp.down_proj.weight")},
+              broken / "model.safetensors")
+    out = _run("import sys\n"
+               "from nanovllm import LLM, SamplingParams\n"
+               "try:\n"
+               "    LLM(sys.argv[1], num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128)\n"
+               "except ValueError as e:\n"
+               "    print('refused:', 'lacks weights' in str(e))\n"
+               "llm = LLM(sys.argv[2], num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128)\n"
+               "print(len(llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)[0]['token_ids']))\n",
+               str(broken), checkpoints["qwen3"])
+    assert out.split() == ["refused:", "True", "2"]
 
 
 # ---- (d) pickling ----------------------------------------------------------------------------------------
