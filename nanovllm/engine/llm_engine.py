@@ -604,28 +604,24 @@ class LLMEngine:
         return decode_after(self.tokenizer, seq.text_context, ids[:-1] if _stopped_by_token(seq) else ids,
                             skip_special_tokens=sp.skip_special_tokens, **_spaces(sp))
 
-    def _logprobs(self, entries: list[dict | None], k: int, detokenize: bool) -> list[dict[int, Logprob] | None]:
-        """Logprob dicts of vLLM's shape from the sampler's {token: logprob} dicts: the k most likely, in order (rank
-        1 to k), then the chosen token where it is not among them (a Logprob already, with its rank)."""
-        texts = self._token_texts
-        out = []
-        for entry in entries:
-            if entry is None:
-                out.append(None)
-                continue
-            if detokenize and self.tokenizer is not None:
-                for t in entry:
-                    if t not in texts:
-                        texts[t] = self.tokenizer.decode([t])
-            out.append({t: Logprob(value, getattr(value, "rank", None) or rank, texts.get(t) if detokenize else None)
-                        for rank, (t, value) in enumerate(entry.items(), 1)})
-        return out
+    def _logprobs(self, entries: list[dict | None], detokenize: bool) -> list[dict[int, Logprob] | None]:
+        """The runner's Logprob dicts, already vLLM's shape (the k most likely in order, rank 1 to k, then the chosen
+        token where it is not among them), each Logprob given its token's text when `detokenize`."""
+        if detokenize and self.tokenizer is not None:
+            texts = self._token_texts
+            for entry in entries:
+                for t, logprob in entry.items() if entry is not None else ():
+                    text = texts.get(t)
+                    if text is None:
+                        text = texts[t] = self.tokenizer.decode([t])
+                    logprob.decoded_token = text
+        return list(entries)  # (the sequence's own list grows while it runs)
 
     def _sample_output(self, seq: Sequence) -> CompletionOutput:
         sp = seq.sampling_params
         logprobs = cumulative = None
         if sp.logprobs is not None:
-            logprobs = self._logprobs(seq.logprobs, sp.logprobs, sp.detokenize)
+            logprobs = self._logprobs(seq.logprobs, sp.detokenize)
             cumulative = sum(d[t] for d, t in zip(seq.logprobs, seq.completion_token_ids))
         return CompletionOutput(seq.sample_index, self._text(seq), seq.completion_token_ids, cumulative, logprobs,
                                 seq.finish_reason, seq.stop_reason)
@@ -634,7 +630,7 @@ class LLMEngine:
         """One prompt's result: every sample, and what the prompt shares."""
         first = samples[0]
         sp = first.sampling_params
-        prompt_logprobs = self._logprobs(first.prompt_logprobs, sp.prompt_logprobs, sp.detokenize) \
+        prompt_logprobs = self._logprobs(first.prompt_logprobs, sp.detokenize) \
             if sp.prompt_logprobs is not None else None
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs,
                              [self._sample_output(seq) for seq in samples], True,

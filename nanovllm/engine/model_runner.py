@@ -18,7 +18,7 @@ from nanovllm.layers.context import get_context, reset_context, set_context, to_
 from nanovllm.layers.linear import deferred_weights
 from nanovllm.lora.stack import step_slots
 from nanovllm.models import build_model
-from nanovllm.outputs import Logprob
+from nanovllm.outputs import Logprob, collector_paused
 from nanovllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("nanovllm")
@@ -447,18 +447,21 @@ class ModelRunner:
             return None
         chosen = torch.cat(chosen).tolist() if chosen else []
         ranks = torch.cat(ranks).tolist() if ranks else []
-        top_values = torch.cat(top_values).tolist() if top_values else []
-        top_ids = torch.cat(top_ids).tolist() if top_ids else []
+        # flat lists, row r's top k at r * k: a list per row would be one more object a row for the collector
+        top_values = torch.cat(top_values).flatten().tolist() if top_values else []
+        top_ids = torch.cat(top_ids).flatten().tolist() if top_ids else []
         targets, out, row = targets.tolist(), [], 0
-        for (_, count), seq_k in zip(batch.prompt_logprobs, ks):
-            scored = []
-            for r in range(row, row + count):
-                d = dict(zip(top_ids[r][:seq_k], top_values[r][:seq_k])) if seq_k else {}
-                if targets[r] not in d:  # (outside the top k: with its rank)
-                    d[targets[r]] = Logprob(chosen[r], ranks[r])
-                scored.append(d)
-            out.append(scored)
-            row += count
+        with collector_paused():
+            for (_, count), seq_k in zip(batch.prompt_logprobs, ks):
+                scored = []
+                for r in range(row, row + count):
+                    d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(top_ids[r * k : r * k + seq_k],
+                                                                              top_values[r * k : r * k + seq_k]), 1)}
+                    if targets[r] not in d:  # (outside the top k: with its rank)
+                        d[targets[r]] = Logprob(chosen[r], ranks[r])
+                    scored.append(d)
+                out.append(scored)
+                row += count
         return out
 
     def run(self, batch: ScheduledBatch) -> StepOutput | None:
@@ -490,13 +493,15 @@ class ModelRunner:
         width = top_values.size(1) if top_values is not None else 0
         rows = zip(top_ids.tolist(), top_values.tolist()) if width else [((), ())] * len(seqs)
         out = []
-        for seq, (ids, values), token, logprob, rank in zip(seqs, rows, tokens, chosen.tolist(), ranks.tolist()):
-            k = seq.sampling_params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            d = dict(zip(ids, values) if k == width else zip(ids[:k], values[:k]))
-            if token not in d:  # (outside the top k: with its rank)
-                d[token] = Logprob(logprob, rank)
-            out.append(d)
+        with collector_paused():
+            for seq, (ids, values), token, logprob, rank in zip(seqs, rows, tokens, chosen.tolist(), ranks.tolist()):
+                k = seq.sampling_params.logprobs
+                if k is None:
+                    out.append(None)
+                    continue
+                d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(ids, values) if k == width else
+                                                                      zip(ids[:k], values[:k]), 1)}
+                if token not in d:  # (outside the top k: with its rank)
+                    d[token] = Logprob(logprob, rank)
+                out.append(d)
         return out
