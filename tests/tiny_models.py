@@ -46,6 +46,27 @@ def spm_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
+@functools.lru_cache
+def byte_fallback_tokenizer():
+    """A Llama-2 / Mistral / Gemma style tokenizer: SentencePiece BPE with byte fallback (a character outside the
+    vocabulary, here every non-ASCII one, is one <0xNN> token per UTF-8 byte; decoding turns a run of byte tokens
+    that is not valid UTF-8 into U+FFFD, every byte of it) and a decoder that strips the text's leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator([text for text in CORPUS if text.isascii()], trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: int = 2, num_heads: int = 4,
                     head_dim: int | None = None, hidden: int = 64, layers: int = 2, seed: int = 0,
                     chat_template: str | None = None, tokenizer=None, **extra) -> str:

@@ -1,4 +1,19 @@
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the completion (vLLM's initial detokenization offset)
+MAX_CONTEXT_TOKENS = 24  # prompt tokens searched for a context that starts on a whole character (text_context)
+
+
+def text_context(tokenizer, tail: list[int], **options) -> list[int]:
+    """The prompt tokens decoded ahead of a completion: the shortest suffix of `tail` (the prompt's last tokens), of
+    CONTEXT_TOKENS at least, whose text holds no U+FFFD, as vLLM's fast detokenizer picks it. A context that starts
+    inside a character garbles more than itself: a byte-fallback tokenizer (Llama 2, Mistral, Gemma) decodes a run
+    of byte tokens that is not valid UTF-8 as all U+FFFD, the completion's first bytes included. Without such a
+    suffix: the last CONTEXT_TOKENS, or none where they end inside a character (the completion decodes alone)."""
+    tail = list(tail)
+    for n in range(min(CONTEXT_TOKENS, len(tail)), len(tail) + 1):
+        if "\ufffd" not in tokenizer.decode(tail[-n:], **options):
+            return tail[-n:]
+    context = tail[-CONTEXT_TOKENS:]
+    return [] if context and tokenizer.decode(context, **options).endswith("\ufffd") else context
 
 
 class IncrementalDetokenizer:
@@ -6,8 +21,9 @@ class IncrementalDetokenizer:
 
     Decodes only a short window (prefix_offset..end) per call. A delta is released only when it does
     not end in U+FFFD, so a multi-byte character split over several tokens comes out whole. `context`: the prompt's
-    last tokens, decoded ahead of the completion and never part of its text, so that the first token's text is what
-    it is after the prompt (SentencePiece tokenizers drop a word's leading space at the start of a decode)."""
+    last tokens (text_context picks where to start), decoded ahead of the completion and never part of its text, so
+    that the first token's text is what it is after the prompt (SentencePiece tokenizers drop a word's leading space
+    at the start of a decode)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
                  context: list[int] = ()):
@@ -15,9 +31,7 @@ class IncrementalDetokenizer:
         self.options = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:  # (only where set: tokenizers that lack it may refuse the keyword)
             self.options["spaces_between_special_tokens"] = False
-        if context and self._decode(list(context)).endswith("\ufffd"):
-            context = ()  # (the prompt ends inside a character: the completion decodes alone, as in decode_after)
-        self.ids = list(context)  # the context, then the completion
+        self.ids = text_context(tokenizer, context, **self.options)  # the context, then the completion
         self.token_ids: list[int] = []  # the completion's tokens
         self.prefix_offset = 0  # window start: tokens before it are already text
         self.read_offset = len(self.ids)  # tokens before it are in self.text (or the context)
@@ -55,6 +69,7 @@ def decode_after(tokenizer, context: list[int], ids: list[int], **options) -> st
     go, for outputs that were not detokenized while generating."""
     if not ids:
         return ""
+    context = text_context(tokenizer, context, **options)
     if context:
         before = tokenizer.decode(context, **options)
         full = tokenizer.decode(list(context) + list(ids), **options)

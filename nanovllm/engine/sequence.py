@@ -2,7 +2,7 @@ from copy import copy
 from enum import Enum, auto
 from itertools import count
 
-from nanovllm.engine.detokenizer import CONTEXT_TOKENS
+from nanovllm.engine.detokenizer import MAX_CONTEXT_TOKENS
 from nanovllm.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # async scheduling: stands for a sampled token that is still on the device
@@ -83,8 +83,9 @@ class Sequence:
 
     @property
     def text_context(self) -> list[int]:
-        """The prompt's last tokens, decoded ahead of the completion so its text reads as it does after the prompt."""
-        return self.token_ids[max(0, self.num_prompt_tokens - CONTEXT_TOKENS) : self.num_prompt_tokens]
+        """The prompt's last tokens, from which the detokenizer picks those it decodes ahead of the completion, so its
+        text reads as it does after the prompt (detokenizer.text_context)."""
+        return self.token_ids[max(0, self.num_prompt_tokens - MAX_CONTEXT_TOKENS) : self.num_prompt_tokens]
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import find_stop
-from tests.tiny_models import make_checkpoint, spm_tokenizer
+from tests.tiny_models import byte_fallback_tokenizer, make_checkpoint, spm_tokenizer
 
 PROMPT = "The capital of France is"
 SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256)
@@ -36,6 +36,39 @@ def test_the_first_word_keeps_its_space_after_the_prompt(spm):
     cut = spm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[first]),
                        use_tqdm=False)[0].outputs[0]
     assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", first, "")
+
+
+@pytest.fixture(scope="module")
+def byte_fallback(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("byte_fallback"), "llama", tokenizer=byte_fallback_tokenizer())
+    with LLM(path, **SMALL) as llm:
+        yield llm
+
+
+def test_a_prompt_ending_in_byte_tokens_leaves_the_completions_text_whole(byte_fallback):
+    """Two emojis end the prompt, 8 byte tokens: its last 5 start inside the first emoji. Decoded from there, a
+    byte-fallback tokenizer turns the whole run of byte tokens into U+FFFD, the completion's first character with it
+    (generate read "\ufffd\ufffd" for "é"), and dropping that context instead lost a word's leading space (streams and
+    stop strings read "Hel" for " Hel"). The context starts on a whole character, as vLLM's does."""
+    llm, tok = byte_fallback, byte_fallback.get_tokenizer()
+    prompt = "Reply with emojis: \U0001f642\U0001f389"
+    ids = tok.encode(prompt)
+    assert "\ufffd" in tok.decode(ids[-5:])  # (the prompt's last 5 tokens start inside a character)
+    e_bytes = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "é".encode()]
+    word = tok.convert_tokens_to_ids("\u2581Hel")
+
+    def texts(**options):  # each sample's tokens, and its text from generate, from stream and with a stop string
+        fields = dict(n=8, temperature=3.0, seed=1, max_tokens=2, ignore_eos=True, **options)
+        outs = llm.generate(prompt, SamplingParams(**fields), use_tqdm=False)[0].outputs
+        stopped = llm.generate(prompt, SamplingParams(**fields, stop=["zzz"]), use_tqdm=False)[0].outputs
+        streamed = [""] * 8
+        for delta in llm.stream(prompt, SamplingParams(**fields)):
+            streamed[delta["sample_index"]] += delta["text"]
+        return [(out.token_ids, (out.text, text, stop.text)) for out, text, stop in zip(outs, streamed, stopped)]
+
+    whole = [t for token_ids, t in texts(allowed_token_ids=e_bytes) if token_ids == e_bytes]  # (others: bad UTF-8)
+    assert whole and all(t == ("é", "é", "é") for t in whole)
+    assert all(t == (" Hel Hel",) * 3 for _, t in texts(allowed_token_ids=[word]))
 
 
 def test_of_the_stop_strings_one_step_completes_the_first_listed_wins():
