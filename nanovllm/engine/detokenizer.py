@@ -58,6 +58,8 @@ class IncrementalDetokenizer:
         """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
+        if not full.startswith(prefix):  # (a byte-fallback decoder: below) the held-back tokens alone
+            full = prefix + self._decode(self.ids[self.read_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
@@ -70,6 +72,20 @@ def decode_after(tokenizer, context: list[int], ids: list[int], **options) -> st
     if not ids:
         return ""
     context = text_context(tokenizer, context, **options)
+    text = _decode_after(tokenizer, context, ids, options)
+    if text.endswith("\ufffd"):
+        # It may end inside a character (a length cut), which a byte-fallback decoder (Llama 2, Mistral, Gemma) turns
+        # into U+FFFD with the whole run of byte tokens before it, whole characters too: as flush() reads it, the
+        # text up to the last token that ends a character, then the tokens after it alone (a character's bytes are
+        # 4 tokens at most).
+        for held in range(1, min(len(ids), 4)):
+            head = _decode_after(tokenizer, context, ids[:-held], options)
+            if not head.endswith("\ufffd"):
+                return head + tokenizer.decode(ids[-held:], **options)
+    return text
+
+
+def _decode_after(tokenizer, context: list[int], ids: list[int], options: dict) -> str:
     if context:
         before = tokenizer.decode(context, **options)
         full = tokenizer.decode(list(context) + list(ids), **options)

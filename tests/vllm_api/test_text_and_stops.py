@@ -71,6 +71,23 @@ def test_a_prompt_ending_in_byte_tokens_leaves_the_completions_text_whole(byte_f
     assert all(t == (" Hel Hel",) * 3 for _, t in texts(allowed_token_ids=[word]))
 
 
+def test_a_completion_cut_inside_a_character_keeps_its_whole_characters(byte_fallback):
+    """A length cut inside a character: a byte-fallback tokenizer decodes the whole run of byte tokens as U+FFFD
+    ("\ufffd" * 3 for é and the first byte of another, where streams and stop strings read "é" and two). Each path
+    reads the whole characters, then one U+FFFD for the incomplete one."""
+    llm, tok = byte_fallback, byte_fallback.get_tokenizer()
+    e_bytes = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "é".encode()]
+    fields = dict(n=16, temperature=3.0, seed=1, max_tokens=3, ignore_eos=True, allowed_token_ids=e_bytes)
+    outs = llm.generate("Hi", SamplingParams(**fields), use_tqdm=False)[0].outputs
+    stopped = llm.generate("Hi", SamplingParams(**fields, stop=["zzz"]), use_tqdm=False)[0].outputs
+    streamed = [""] * 16
+    for delta in llm.stream("Hi", SamplingParams(**fields)):
+        streamed[delta["sample_index"]] += delta["text"]
+    cut = [(out.text, stop.text, text) for out, stop, text in zip(outs, stopped, streamed)
+           if out.token_ids == e_bytes + e_bytes[:1]]  # (the other samples are not UTF-8)
+    assert cut and all(texts == ("é\ufffd",) * 3 for texts in cut)
+
+
 def test_of_the_stop_strings_one_step_completes_the_first_listed_wins():
     """vLLM's check_stop_strings: the first string of `stop` found in the text the step added."""
     assert find_stop("abgine", 4, ["ne", "ine"]) == (4, "ne")
