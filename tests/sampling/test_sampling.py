@@ -544,3 +544,55 @@ def test_a_temperature_under_a_hundredth_samples_at_a_hundredth():
         counts = torch.bincount(tokens, minlength=4).float()
         assert _chi_square(counts, torch.softmax(logits.double() / 0.01, -1).float()) < CHI2_999[1]
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+
+
+def check_seeded_top_k_with_tied_logits(device: str = "cpu", triton: bool = False, positions: int = 40):
+    """Exact ties at a seeded row's top-k cut (common in bfloat16): which tied tokens make the cut must not depend on
+    the batch, which picks between topk over the batch's largest top-k and a full sort. The row keeps the k largest,
+    ties going to the lower token id, alone, beside a top-p row (the full sort) and beside a wider top-k."""
+    from tests.kernels.helpers import SeqStub
+    vocab = 300
+    logits = torch.linspace(-6, -2, vocab)
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(4))
+    logits[ids[:10]] = torch.linspace(2.4, 2.0, 10)  # ten distinct leaders
+    logits[ids[10:40]] = 1.8  # thirty tied tokens: a top_k of 20 cuts through them
+    logits = torch.stack([logits, torch.randn(vocab, generator=torch.Generator().manual_seed(5))]).to(device)
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=7)
+    to_device = lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)  # noqa: E731
+    kept = set(ids[:10].tolist()) | set(sorted(ids[10:40].tolist())[:10])
+
+    def picks(other):
+        rows = [seeded] if other is None else [seeded, other]
+        out = []
+        for position in range(positions):
+            sampler = Sampler(vocab, device=device, triton=triton)
+            seqs = [SeqStub(sp, 10, 0, i) for i, sp in enumerate(rows)]
+            for seq in seqs:
+                seq.num_tokens = 10 + position  # (the keyed draws' stream; the CPU generators draw on)
+            st = sampler.prepare(seqs, [True] * len(rows), to_device)
+            if not triton:  # one generator for the seeded row across positions, as the engine keeps it
+                st.generators = [(0, gen)]
+            step_gen = torch.Generator(device=device).manual_seed(1)
+            out.append(int(sampler(logits[:len(rows)].clone(), st, step_gen)[0][0]))
+        return out
+
+    gen = torch.Generator(device=device).manual_seed(7)
+    alone = picks(None)
+    assert set(alone) <= kept and len(set(alone) - set(ids[:10].tolist())) > 3, alone
+    for other in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=50)):
+        gen = torch.Generator(device=device).manual_seed(7)
+        assert picks(other) == alone, other
+
+
+def test_seeded_top_k_with_tied_logits_is_independent_of_the_batch():
+    check_seeded_top_k_with_tied_logits()
+
+
+@pytest.mark.interpreter
+def test_seeded_top_k_with_tied_logits_keyed_draws():
+    check_seeded_top_k_with_tied_logits(triton=True, positions=16)
+
+
+@pytest.mark.gpu
+def test_gpu_seeded_top_k_with_tied_logits():
+    check_seeded_top_k_with_tied_logits(device="cuda", triton=True)
