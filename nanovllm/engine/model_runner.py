@@ -453,6 +453,12 @@ class ModelRunner:
         targets, out, row = targets.tolist(), [], 0
         with collector_paused():
             for (_, count), seq_k in zip(batch.prompt_logprobs, ks):
+                if not seq_k:  # (the prompt tokens' own alone: lm-eval's scoring, RL's reference logprobs)
+                    out.append([{t: Logprob(v, rank)} for t, v, rank in zip(targets[row : row + count],
+                                                                           chosen[row : row + count],
+                                                                           ranks[row : row + count])])
+                    row += count
+                    continue
                 scored = []
                 for r in range(row, row + count):
                     d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(top_ids[r * k : r * k + seq_k],
