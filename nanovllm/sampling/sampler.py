@@ -23,7 +23,6 @@ from nanovllm.sampling_params import sample_seed
 
 MIN_TEMPERATURE = 1e-5  # the race divides by the temperature: a greedy row's 0 is clamped to this
 SEED_BLOCK = 4096  # steps' seeds drawn at once (Sampler._step_seed)
-ID_BITS = 20  # _top_ids: vocabularies up to 2**20 ids (larger ones take the full sort)
 MAX_LOGPROBS_FUSED = 32  # kernels/logprobs.MAX_K (not imported here: that module needs Triton)
 
 
@@ -246,19 +245,12 @@ def _filter(logits: torch.Tensor, temperatures: torch.Tensor,
     for the race among the rest.
     Each step needs a row's probabilities only up to a factor (min-p's threshold is relative to the top probability,
     top-p's mass to what min-p and top-k kept, the race picks argmax(p / E)), so when every row has a top-k, only the
-    max_top_k best logits are ranked (topk instead of a full sort: c = max_top_k) and the softmax covers them alone.
-    Where a row is seeded, tied logits are ranked by token id (the lower first), so that the tokens a cut keeps do not
-    depend on which of the two the batch took (torch.topk and sort leave the order of ties unspecified)."""
-    seeded = st.keys is not None or st.generators is not None
+    max_top_k best logits are ranked (topk instead of a full sort: c = max_top_k) and the softmax covers them alone."""
     if st.max_top_k < logits.size(1):
-        if seeded and logits.size(1) <= 1 << ID_BITS:
-            order = _top_ids(logits, st.max_top_k)
-            values = logits.gather(1, order)
-        else:
-            values, order = logits.topk(st.max_top_k, -1)
+        values, order = logits.topk(st.max_top_k, -1)
+        sorted_probs = torch.softmax(values / temperatures, -1)
     else:
-        values, order = logits.sort(dim=-1, descending=True, stable=seeded)  # (stable: ties stay in id order)
-    sorted_probs = torch.softmax(values / temperatures, -1)
+        sorted_probs, order = torch.softmax(logits / temperatures, -1).sort(-1, descending=True)
     rank = torch.arange(sorted_probs.size(1), device=logits.device).unsqueeze(0)
     remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if st.top_ks is not None:
@@ -272,16 +264,6 @@ def _filter(logits: torch.Tensor, temperatures: torch.Tensor,
         remove |= mass_before >= st.top_ps.unsqueeze(1)
     remove[:, 0] = False  # the most likely token always stays
     return sorted_probs.masked_fill(remove, 0.0), order, remove
-
-
-def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of each row's k largest float32 logits, largest first, tied logits by token id (the lower first): one
-    int64 key a token, its logit's bits made to order as the floats do (a negative float's magnitude bits flipped)
-    above ID_BITS bits that rank the ids, so that topk has no ties to leave unspecified."""
-    bits = logits.contiguous().view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    ids = torch.arange(logits.size(1), device=logits.device)
-    return ((ordered.long() << ID_BITS) - ids).topk(k, -1).indices
 
 
 def processed_logits(logits: torch.Tensor, st: SamplingTensors, kept: tuple | None) -> torch.Tensor:
