@@ -20,6 +20,7 @@ VARIANTS = {
     "penalties (rep 1.1, pres 0.5, freq 0.5)": dict(temperature=0.6, repetition_penalty=1.1, presence_penalty=0.5,
                                                     frequency_penalty=0.5),
     "seeded": dict(temperature=0.6, seed=1),
+    "seeded top_k=20 top_p=0.95": dict(temperature=0.6, top_k=20, top_p=0.95, seed=1),
     "logprobs=5": dict(temperature=0.6, logprobs=5),
     "logprobs=0 (the sampled token's)": dict(temperature=0.6, logprobs=0),
     "plain again (order check)": dict(temperature=0.6),
