@@ -108,8 +108,13 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         if _group(module) == "mlp" and _is_moe_layer(hf_config, layer):
             raise ValueError(f"{where}: {name}: that layer's MLP is mixture-of-experts; LoRA on experts is not "
                              "supported (attention targets are)")
-        (r, in_a), (out_b, r_b) = parts["A"], parts["B"]
         want_out, want_in = expected[module]
+        if len(parts["A"]) != 2 or len(parts["B"]) != 2:  # (a damaged or hand-made file: not matrices at all)
+            raise ValueError(f"{where}: {name} has A {parts['A']} and B {parts['B']}; LoRA needs the matrices "
+                             f"A [r, {want_in}] and B [{want_out}, r]")
+        (r, in_a), (out_b, r_b) = parts["A"], parts["B"]
+        if r == 0:  # (PEFT refuses r = 0 too; its scaling alpha / r has no value)
+            raise ValueError(f"{where}: {name} has rank 0 (A {parts['A']}); a LoRA rank must be at least 1")
         if r != r_b or (in_a, out_b) != (want_in, want_out):
             raise ValueError(f"{where}: {name} has A {parts['A']} and B {parts['B']}; this base model needs "
                              f"A [r, {want_in}] and B [{want_out}, r]: an adapter made for another base model")

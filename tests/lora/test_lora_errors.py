@@ -217,3 +217,28 @@ def test_bad_lora_requests(kwargs, message):
 def test_bad_lora_options(qwen3_tied, kwargs, error, message):
     with pytest.raises(error, match=message):
         LLM(qwen3_tied, enable_lora=True, **kwargs)
+
+
+def rewrite_weights(request: LoRARequest, path, lora_int_id: int, change) -> LoRARequest:
+    """A copy of `request`'s adapter whose tensors are change(tensors)."""
+    from safetensors.torch import load_file, save_file
+    copy = adapter_copy(request, path, lora_int_id)
+    file = os.path.join(copy.lora_path, "adapter_model.safetensors")
+    save_file(change(load_file(file)), file)
+    return copy
+
+
+def test_factors_that_are_not_matrices_of_rank_one_or_more(llm, qwen3_tied, lora_attention, tmp_path):
+    """A damaged adapter whose A is not a matrix, or whose rank is 0, is refused naming it (it raised a bare
+    'not enough values to unpack', or a ZeroDivisionError from alpha / r)."""
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    cases = [(lambda t: {**t, key: t[key].flatten()}, r"layer 0 q_proj has A \(\d+,\) .* LoRA needs the matrices"),
+             (lambda t: {**t, key: t[key][None]}, r"layer 0 q_proj has A \(1, \d+, \d+\) .* LoRA needs the matrices"),
+             (lambda t: {k: v[:0] if "lora_A" in k else v[:, :0] for k, v in t.items()},
+              "has rank 0 .*; a LoRA rank must be at least 1")]
+    for i, (change, message) in enumerate(cases):
+        request = rewrite_weights(lora_attention, tmp_path / str(i), 60 + i, change)
+        with pytest.raises(ValueError, match=rf"LoRA adapter 'copy{60 + i}' .*{message}"):
+            llm.generate([PROMPT], GREEDY, lora_request=request, use_tqdm=False)
+        assert request.lora_int_id not in llm.list_loras()
+    still_works(llm, qwen3_tied, lora_attention)
