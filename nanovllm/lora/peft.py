@@ -71,8 +71,9 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
                                           or getattr(hf_config, "num_local_experts", None)))
     alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora")
     rslora = False if rslora is None else rslora  # (PEFT reads null as false)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{where}: lora_alpha must be a positive number, got {alpha!r} in {CONFIG}")
+    # (JSON as Python writes it may hold Infinity: every update would be inf or NaN, every token garbage)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise ValueError(f"{where}: lora_alpha must be a positive number (finite), got {alpha!r} in {CONFIG}")
     if not isinstance(rslora, bool):
         raise ValueError(f"{where}: use_rslora must be true or false, got {rslora!r} in {CONFIG}")
     from safetensors import SafetensorError, safe_open

@@ -75,6 +75,8 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
         (broken["cut"], "adapter_model.safetensors cannot be read"),
         (adapter_copy(lora_attention, tmp_path / "alpha", 43, lora_alpha=-4), "lora_alpha must be a positive number"),
         (adapter_copy(lora_attention, tmp_path / "alpha2", 44, lora_alpha="sixteen"), "lora_alpha must be a positive"),
+        (adapter_copy(lora_attention, tmp_path / "alpha3", 59, lora_alpha=float("inf")),
+         r"lora_alpha must be a positive number \(finite\), got inf"),
         (adapter_copy(lora_attention, tmp_path / "rs", 45, use_rslora="yes"), "use_rslora must be true or false"),
         (adapter_copy(lora_attention, tmp_path / "experts", 46, target_parameters=["mlp.experts.gate_up_proj"],
                       alpha_pattern={"gate_up_proj": 32}), "LoRA on MoE experts is not supported"),
