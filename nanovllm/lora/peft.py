@@ -14,7 +14,8 @@ from nanovllm.lora.request import LoRARequest
 # checkpoint module -> (our packed linear, part): q/k/v are parts of qkv_proj, gate/up of gate_up_proj
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
+# (a layer index as PEFT writes it: "layers.00" would pass here and name no tensor when the weights are read)
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
 # state that VeLoRA and MonteCLoRA use only while training (in eval PEFT computes plain B A x with them), saved too
 _TRAINING_ONLY = re.compile(r".*\.lora_(velora_embed|monteclora_sampler\.\w+)")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

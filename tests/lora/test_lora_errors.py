@@ -244,3 +244,14 @@ def test_factors_that_are_not_matrices_of_rank_one_or_more(llm, qwen3_tied, lora
             llm.generate([PROMPT], GREEDY, lora_request=request, use_tqdm=False)
         assert request.lora_int_id not in llm.list_loras()
     still_works(llm, qwen3_tied, lora_attention)
+
+
+def test_a_layer_index_peft_does_not_write_is_refused_when_added(llm, qwen3_tied, lora_attention, tmp_path):
+    """'layers.00.' read as layer 0 passed the checks, and the weights were then looked up as 'layers.0.': the
+    adapter's first step failed mid-run (SafetensorError) instead of add_lora refusing it."""
+    request = rewrite_weights(lora_attention, tmp_path / "zero", 63,
+                              lambda t: {k.replace(".layers.0.", ".layers.00."): v for k, v in t.items()})
+    with pytest.raises(ValueError, match=r"weight 'base_model\.model\.model\.layers\.00\..*' is not a LoRA A/B"):
+        llm.add_lora(request)
+    assert request.lora_int_id not in llm.list_loras()
+    still_works(llm, qwen3_tied, lora_attention)
