@@ -2,6 +2,7 @@
 nano-vllm's scripts index (`out["text"]`, `out["outputs"][0]["token_ids"]`), so those keep running."""
 import contextlib
 import gc
+import threading
 from dataclasses import dataclass, field
 
 
@@ -24,19 +25,33 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
+_paused_lock = threading.Lock()
+_paused = 0  # collector_paused blocks open, in every thread (the collector is one for the process)
+_paused_restore = False  # whether the collector was on when the first of them began
+
+
 @contextlib.contextmanager
 def collector_paused():
     """For building many Logprobs at once: the cyclic garbage collector paused meanwhile (as it was before, after).
     A Logprob holds its rank and text, so the collector tracks each one, and hundreds of thousands of them (a scoring
     job's prompt_logprobs) set off collections that walk the whole heap: they took two thirds of the host time of
-    scoring 1,000 x 512-token prompts. Logprobs and their dicts form no cycles, so nothing is left for it to find."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    scoring 1,000 x 512-token prompts. Logprobs and their dicts form no cycles, so nothing is left for it to find.
+    Engines in several threads share the one collector: it is paused from the first block to begin to the last to
+    end (each saving and restoring it itself, one thread could read it off while another's block paused it, then
+    turn it off after that block turned it back on, and leave it off for good)."""
+    global _paused, _paused_restore
+    with _paused_lock:
+        if not _paused:
+            _paused_restore = gc.isenabled()
+            gc.disable()
+        _paused += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _paused_lock:
+            _paused -= 1
+            if not _paused and _paused_restore:
+                gc.enable()
 
 
 class _Keys:
