@@ -34,9 +34,11 @@ class SamplingParams:
     switch those filters off.
     logprobs=k returns, for every generated token, the log-probabilities of the k most likely tokens (k=-1: every
     token of the vocabulary, as in vLLM) plus the sampled one, from the model's distribution before penalties,
-    temperature and filtering (after a grammar's mask, with structured_outputs: a token it forbids has logprob -inf).
+    temperature and filtering (after a grammar's mask, with structured_outputs: a token it forbids has logprob -inf);
+    LLM(logprobs_mode=...) can make them those of the distribution the token is drawn from, or logits.
     prompt_logprobs=k returns, for every prompt token after the first, its log-probability and the k most
-    likely tokens' (k=0: the prompt token's only; k=-1: every token's), from the raw distribution.
+    likely tokens' (k=0: the prompt token's only; k=-1: every token's), from the raw distribution (the raw logits in
+    a logits logprobs_mode).
     n: completions per prompt; the prompt is prefilled once and its KV blocks are shared by the samples.
     structured_outputs: a StructuredOutputsParams (or a dict of its fields) constraining the answer to a JSON
     schema, a regex, a choice or a grammar (docs/structured_outputs.md); the grammar decides where the answer ends,
