@@ -7,6 +7,7 @@
 Random weights from the Qwen3-0.6B config unless --model is given; random prompt token ids.
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -63,7 +64,13 @@ def scoring(llm, args):
     """Score whole prompts (max_tokens=1, prompt_logprobs=0), against the same prefill without logprobs."""
     for name, params in (("prompt_logprobs=0", SamplingParams(max_tokens=1, prompt_logprobs=0)),
                          ("prompt_logprobs=5", SamplingParams(max_tokens=1, prompt_logprobs=5)),
+                         ("prompt_logprobs=0, flat", SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                    flat_logprobs=True)),
+                         ("prompt_logprobs=5, flat", SamplingParams(max_tokens=1, prompt_logprobs=5,
+                                                                    flat_logprobs=True)),
                          ("no logprobs (prefill only)", SamplingParams(max_tokens=1))):
+        outs = None
+        gc.collect()  # (the last case's outputs, collected now: not in this case's time)
         rng = Random(f"{args.seed}-{name}")  # fresh prompts: no prefix-cache hits between cases
         prompts = [[rng.randint(0, args.max_token_id) for _ in range(args.score_len)] for _ in range(args.num_scored)]
         seconds, computed, outs = _timed(llm, prompts, params)

@@ -26,7 +26,8 @@ from nanovllm.llm import LLM
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
-_SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+# (flat: a context's positions become no objects; only the continuation's are read)
+_SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False, flat_logprobs=True)
 
 
 @register_model("nanovllm")

@@ -3,6 +3,7 @@ nano-vllm's scripts index (`out["text"]`, `out["outputs"][0]["token_ids"]`), so 
 import contextlib
 import gc
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,6 +24,71 @@ class Logprob(float):
 
     def __repr__(self) -> str:
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+@dataclass(eq=False)
+class FlatLogprobs(Sequence):
+    """vLLM's FlatLogprobs, what `SamplingParams(flat_logprobs=True)` returns as `logprobs` and `prompt_logprobs`:
+    every position's entries in flat lists, read as the list of {token id: Logprob} dicts (None for a position
+    without, as the prompt's first) it stands for, each dict made when its position is read. A scoring job's
+    prompt_logprobs are millions of entries: as dicts of Logprobs, millions of objects to make and for the garbage
+    collector to walk; here a handful of lists."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # position i holds entries starts[i]:ends[i]; -1: None
+    ends: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            out = FlatLogprobs()
+            for j in range(*i.indices(len(self))):
+                out.append(self[j])
+            return out
+        start, end = self.starts[i], self.ends[i]
+        if start < 0:
+            return None
+        return {self.token_ids[j]: Logprob(self.logprobs[j], self.ranks[j], self.decoded_tokens[j])
+                for j in range(start, end)}
+
+    def __eq__(self, other) -> bool:  # (as the list of dicts it stands for)
+        return isinstance(other, (FlatLogprobs, list)) and list(self) == list(other)
+
+    def append(self, entries: dict | None) -> None:
+        """One more position: {token id: Logprob or float}, or None."""
+        if entries is None:
+            self.starts.append(-1)
+            self.ends.append(-1)
+            return
+        self.starts.append(len(self.token_ids))
+        for token, value in entries.items():
+            self.token_ids.append(token)
+            self.logprobs.append(float(value))
+            self.ranks.append(getattr(value, "rank", None))
+            self.decoded_tokens.append(getattr(value, "decoded_token", None))
+        self.ends.append(len(self.token_ids))
+
+    def extend(self, positions) -> None:
+        if not isinstance(positions, FlatLogprobs):
+            for entries in positions:
+                self.append(entries)
+            return
+        offset = len(self.token_ids)
+        self.starts += [s + offset if s >= 0 else -1 for s in positions.starts]
+        self.ends += [e + offset if e >= 0 else -1 for e in positions.ends]
+        self.token_ids += positions.token_ids
+        self.logprobs += positions.logprobs
+        self.ranks += positions.ranks
+        self.decoded_tokens += positions.decoded_tokens
+
+    def copy(self) -> "FlatLogprobs":
+        return FlatLogprobs(*(list(values) for values in (self.token_ids, self.logprobs, self.ranks,
+                                                          self.decoded_tokens, self.starts, self.ends)))
 
 
 _paused_lock = threading.Lock()

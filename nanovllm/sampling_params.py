@@ -47,8 +47,9 @@ class SamplingParams:
     tokenizer's decode), include_stop_str_in_output (the text keeps the stop string that ended it), logit_bias ({token
     id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to generate,
     as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens, a text prompt keeping the special
-    tokens its tokenizer adds); logits_processors, output_kind and extra_args are accepted at their defaults. max_tokens
-    defaults to 16, as in vLLM; None runs up to max_model_len.
+    tokens its tokenizer adds), flat_logprobs (logprobs and prompt_logprobs as one FlatLogprobs each, read as the
+    same list of dicts: far cheaper to make for long prompts); logits_processors, output_kind and extra_args are
+    accepted at their defaults. max_tokens defaults to 16, as in vLLM; None runs up to max_model_len.
     """
 
     temperature: float = 1.0
@@ -76,6 +77,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    flat_logprobs: bool = False
     logits_processors: list | None = None
     output_kind: object = None
     extra_args: dict | None = None
@@ -99,7 +101,7 @@ class SamplingParams:
             if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("ignore_eos", "skip_special_tokens", "detokenize", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "flat_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.n < 1:

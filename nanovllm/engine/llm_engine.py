@@ -21,7 +21,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.inputs import call_prompts, prompt_parts
 from nanovllm.lora.request import LoRARequest, cache_salt
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from nanovllm.sampling.structured_outputs import GrammarCompiler, accept_tokens, grammar_threads
 from nanovllm.sampling_params import SamplingParams
 
@@ -606,7 +606,15 @@ class LLMEngine:
 
     def _logprobs(self, entries: list[dict | None], detokenize: bool) -> list[dict[int, Logprob] | None]:
         """The runner's Logprob dicts, already vLLM's shape (the k most likely in order, rank 1 to k, then the chosen
-        token where it is not among them), each Logprob given its token's text when `detokenize`."""
+        token where it is not among them), each Logprob given its token's text when `detokenize`; a FlatLogprobs
+        (SamplingParams.flat_logprobs) as a copy with the texts."""
+        if isinstance(entries, FlatLogprobs):
+            out = entries.copy()
+            if detokenize and self.tokenizer is not None:
+                texts, decode = self._token_texts, self.tokenizer.decode
+                out.decoded_tokens = [texts[t] if t in texts else texts.setdefault(t, decode([t]))
+                                      for t in out.token_ids]
+            return out
         if detokenize and self.tokenizer is not None:
             texts = self._token_texts
             for entry in entries:

@@ -18,7 +18,7 @@ from nanovllm.layers.context import get_context, reset_context, set_context, to_
 from nanovllm.layers.linear import deferred_weights
 from nanovllm.lora.stack import step_slots
 from nanovllm.models import build_model
-from nanovllm.outputs import Logprob, collector_paused
+from nanovllm.outputs import FlatLogprobs, Logprob, collector_paused
 from nanovllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("nanovllm")
@@ -424,12 +424,13 @@ class ModelRunner:
         logprobs_mode)."""
         hidden, k = fb.prompt_hidden, 0
         if self.rank == 0:
-            targets, ks = [], []
+            targets, ks, flat = [], [], []
             for i, count in batch.prompt_logprobs:
                 seq = batch.seqs[i]
                 start = seq.num_cached_tokens + 1  # the tokens after the scored positions
                 targets += seq[start : start + count] if count else []
                 ks.append(seq.sampling_params.prompt_logprobs)
+                flat.append(seq.sampling_params.flat_logprobs)
             k = max(ks)
             targets = self._to_device(targets, torch.int64)
         chosen, ranks, top_values, top_ids = [], [], [], []
@@ -452,7 +453,12 @@ class ModelRunner:
         top_ids = torch.cat(top_ids).flatten().tolist() if top_ids else []
         targets, out, row = targets.tolist(), [], 0
         with collector_paused():
-            for (_, count), seq_k in zip(batch.prompt_logprobs, ks):
+            for (_, count), seq_k, as_flat in zip(batch.prompt_logprobs, ks, flat):
+                if as_flat:
+                    out.append(_flat_prompt_logprobs(targets, chosen, ranks, top_ids, top_values, row, count, k,
+                                                     seq_k))
+                    row += count
+                    continue
                 if not seq_k:  # (the prompt tokens' own alone: lm-eval's scoring, RL's reference logprobs)
                     out.append([{t: Logprob(v, rank)} for t, v, rank in zip(targets[row : row + count],
                                                                            chosen[row : row + count],
@@ -511,3 +517,26 @@ class ModelRunner:
                     d[token] = Logprob(logprob, rank)
                 out.append(d)
         return out
+
+
+def _flat_prompt_logprobs(targets: list[int], chosen: list[float], ranks: list[int], top_ids: list[int],
+                          top_values: list[float], row: int, count: int, k: int, seq_k: int) -> FlatLogprobs:
+    """Rows row..row+count of a step's prompt logprobs (top ids and values flat, k a row) as a FlatLogprobs: each
+    position's seq_k most likely (ranks 1..seq_k), then its prompt token where it is not among them."""
+    if not seq_k:
+        return FlatLogprobs(targets[row : row + count], chosen[row : row + count], ranks[row : row + count],
+                            [None] * count, list(range(count)), list(range(1, count + 1)))
+    out = FlatLogprobs()
+    for r in range(row, row + count):
+        ids = top_ids[r * k : r * k + seq_k]
+        out.starts.append(len(out.token_ids))
+        out.token_ids += ids
+        out.logprobs += top_values[r * k : r * k + seq_k]
+        out.ranks += range(1, seq_k + 1)
+        if targets[r] not in ids:  # (outside the top k: with its rank)
+            out.token_ids.append(targets[r])
+            out.logprobs.append(chosen[r])
+            out.ranks.append(ranks[r])
+        out.ends.append(len(out.token_ids))
+    out.decoded_tokens = [None] * len(out.token_ids)
+    return out

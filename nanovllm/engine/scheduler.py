@@ -162,7 +162,7 @@ class Scheduler:
         for child, row in reversed(batch.forks):
             self.running.remove(child)
             self.block_manager.deallocate(child)
-            child.status, child.lora_slot, child.prompt_logprobs = SequenceStatus.WAITING, -1, []
+            child.status, child.lora_slot, child.prompt_logprobs = SequenceStatus.WAITING, -1, child.new_logprobs()
             batch.seqs[row].forks.insert(0, child)
         back = [seq for seq in batch.seqs if seq.status == SequenceStatus.RUNNING]
         for seq in back:
@@ -170,7 +170,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.WAITING
             if seq.needs_prompt_logprobs:  # its earlier chunks' scores: the prompt is scored again from its start
-                seq.prompt_logprobs = []
+                seq.prompt_logprobs = seq.new_logprobs()
         at = 1 if self.waiting and self.waiting[0].block_table else 0  # (behind a prompt still mid-prefill)
         for seq in reversed(back):
             self.waiting.insert(at, seq)

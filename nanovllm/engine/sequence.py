@@ -3,6 +3,7 @@ from enum import Enum, auto
 from itertools import count
 
 from nanovllm.engine.detokenizer import MAX_CONTEXT_TOKENS
+from nanovllm.outputs import FlatLogprobs, Logprob
 from nanovllm.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # async scheduling: stands for a sampled token that is still on the device
@@ -45,17 +46,21 @@ class Sequence:
         self.generator = None  # per-request torch.Generator when sampling_params.seed is set (rank 0, CPU)
         self.grammar = None  # structured outputs: this sample's SequenceGrammar (its matcher; rank 0)
         self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (rank 0)
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[dict[int, Logprob]] | FlatLogprobs = self.new_logprobs()
         self.new_token = -1  # the token the last settled step added (streaming reports it)
         self.detokenizer = None  # IncrementalDetokenizer when text is needed while generating
         self.sample_index = sample_index  # which of the request's n samples this is
         # Samples 1..n-1 of the request (on sample 0 only), forked from it when its prompt's prefill completes.
         self.forks: list[Sequence] = []
-        self.prompt_logprobs: list[dict[int, float] | None] = []  # sample 0, with prompt_logprobs
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | FlatLogprobs = self.new_logprobs()  # (sample 0)
         self.lora_request = None  # its LoRARequest, or None for the base model (rank 0)
         self.lora_id = 0  # its adapter's lora_int_id (0: the base model)
         self.cache_salt = -1  # the prefix cache's seed for its first block (lora/manager.py: cache_salt)
         self.lora_slot = -1  # the device slot its adapter is in while it runs (-1: none)
+
+    def new_logprobs(self) -> list | FlatLogprobs:
+        """An empty list of logprob dicts, or a FlatLogprobs (SamplingParams.flat_logprobs)."""
+        return FlatLogprobs() if self.sampling_params.flat_logprobs else []
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -1,11 +1,13 @@
 """Offline jobs: n samples per prompt, prompt log-probabilities, weight updates in place, sleep and wake.
 Token-exact against transformers in float32 on tiny random checkpoints."""
+import pickle
 import random
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.outputs import FlatLogprobs, Logprob
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import hf_greedy, hf_model
 
@@ -427,3 +429,57 @@ def test_cuda_sleep_frees_the_kv_cache_and_gives_it_back(qwen3_tied):
     assert torch.cuda.memory_reserved() >= awake - (awake - asleep - kv_bytes)  # the cache is back
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == before == hf_greedy(qwen3_tied, prompt, 12)
     llm.exit()
+
+
+def _plain(positions) -> list:
+    """Logprob dicts as comparable tuples (a Logprob equals its float alone)."""
+    return [None if d is None else {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in d.items()}
+            for d in positions]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_flat_logprobs_read_as_the_dicts(qwen3_tied, k):
+    """SamplingParams(flat_logprobs=True): logprobs and prompt_logprobs come as FlatLogprobs that read, position by
+    position, as the dicts without it: values, ranks and texts, under chunked prefill (a prompt scored in several
+    steps), with n=2 (one prompt_logprobs shared) and a stream's one-position slices."""
+    llm = LLM(qwen3_tied, device="cpu", max_model_len=256, kvcache_block_size=16, max_num_batched_tokens=32)
+    try:
+        prompts = _prompts(21, [5, 40, 70])
+        params = dict(max_tokens=4, prompt_logprobs=k, logprobs=2, temperature=0.8, seed=1, n=2, ignore_eos=True)
+        plain = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+        flat = llm.generate(prompts, SamplingParams(flat_logprobs=True, **params), use_tqdm=False)
+        for a, b in zip(plain, flat):
+            assert isinstance(b.prompt_logprobs, FlatLogprobs) and len(b.prompt_logprobs) == len(a.prompt_logprobs)
+            assert b.prompt_logprobs[0] is None and _plain(b.prompt_logprobs) == _plain(a.prompt_logprobs)
+            for x, y in zip(a.outputs, b.outputs):
+                assert isinstance(y.logprobs, FlatLogprobs) and _plain(y.logprobs) == _plain(x.logprobs)
+                assert y.cumulative_logprob == x.cumulative_logprob
+        by_sample = {}
+        for item in llm.stream(prompts[:1], SamplingParams(flat_logprobs=True, **params)):
+            assert isinstance(item["logprobs"], FlatLogprobs) and len(item["logprobs"]) == 1
+            by_sample.setdefault(item["sample_index"], []).extend(_plain(item["logprobs"]))
+        for i, out in enumerate(plain[0].outputs):  # (a stream's entries carry no text; its batch is another)
+            want = _plain(out.logprobs)
+            assert [{t: r for t, (_, r, _) in d.items()} for d in by_sample[i]] == \
+                [{t: r for t, (_, r, _) in d.items()} for d in want]
+            assert all(text is None and v == pytest.approx(w[t][0], abs=1e-4) for d, w in zip(by_sample[i], want)
+                       for t, (v, _, text) in d.items())
+    finally:
+        llm.exit()
+
+
+def test_flat_logprobs_as_a_sequence():
+    flat = FlatLogprobs()
+    flat.append(None)
+    flat.append({5: Logprob(-0.5, 1, "a"), 9: -2.0})
+    flat.extend(flat[1:])  # (a FlatLogprobs: its entries' offsets move)
+    flat.extend([{3: Logprob(-1.0, 2)}])
+    assert len(flat) == 4 and flat[0] is None and flat[-1] == {3: -1.0} and flat[-1][3].rank == 2
+    assert flat[1] == flat[2] == {5: -0.5, 9: -2.0} and flat[2][5].decoded_token == "a" and flat[2][9].rank is None
+    assert list(flat[1:3]) == [flat[1], flat[2]] and flat == list(flat)
+    assert pickle.loads(pickle.dumps(flat)) == flat  # (data parallelism sends outputs between processes)
+    copy = flat.copy()
+    copy.decoded_tokens[0] = "b"
+    assert flat[1][5].decoded_token == "a"
+    with pytest.raises(TypeError, match="flat_logprobs must be True or False"):
+        SamplingParams(flat_logprobs=1)
