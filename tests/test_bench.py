@@ -43,10 +43,11 @@ def test_rl_eval_benchmark_runs_on_cpu(qwen3_tied):
     lines = out.stdout.splitlines()
     assert [line.split("|")[1].strip() for line in lines] == [
         "12 prompts, n=1", "3 prompts, n=4", "3 prompts x 4 requests",
-        "prompt_logprobs=0", "prompt_logprobs=5", "no logprobs (prefill only)"]
+        "prompt_logprobs=0", "prompt_logprobs=5", "prompt_logprobs=0, flat", "prompt_logprobs=5, flat",
+        "no logprobs (prefill only)"]
     computed = [int(line.rsplit(" ", 1)[1]) for line in lines]
     assert computed[1] < computed[2]  # n=4 prefills each prompt once; 4 separate requests more often
-    assert computed[3:] == [6 * 30] * 3
+    assert computed[3:] == [6 * 30] * 5
 
 
 def test_bench_runs_data_parallel_on_cpu(qwen3_tied):
