@@ -454,25 +454,8 @@ class ModelRunner:
         targets, out, row = targets.tolist(), [], 0
         with collector_paused():
             for (_, count), seq_k, as_flat in zip(batch.prompt_logprobs, ks, flat):
-                if as_flat:
-                    out.append(_flat_prompt_logprobs(targets, chosen, ranks, top_ids, top_values, row, count, k,
-                                                     seq_k))
-                    row += count
-                    continue
-                if not seq_k:  # (the prompt tokens' own alone: lm-eval's scoring, RL's reference logprobs)
-                    out.append([{t: Logprob(v, rank)} for t, v, rank in zip(targets[row : row + count],
-                                                                           chosen[row : row + count],
-                                                                           ranks[row : row + count])])
-                    row += count
-                    continue
-                scored = []
-                for r in range(row, row + count):
-                    d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(top_ids[r * k : r * k + seq_k],
-                                                                              top_values[r * k : r * k + seq_k]), 1)}
-                    if targets[r] not in d:  # (outside the top k: with its rank)
-                        d[targets[r]] = Logprob(chosen[r], ranks[r])
-                    scored.append(d)
-                out.append(scored)
+                build = _flat_prompt_logprobs if as_flat else _prompt_logprob_dicts
+                out.append(build(targets, chosen, ranks, top_ids, top_values, row, count, k, seq_k))
                 row += count
         return out
 
@@ -519,10 +502,26 @@ class ModelRunner:
         return out
 
 
+def _prompt_logprob_dicts(targets: list[int], chosen: list[float], ranks: list[int], top_ids: list[int],
+                          top_values: list[float], row: int, count: int, k: int, seq_k: int) -> list[dict]:
+    """Rows row..row+count of a step's prompt logprobs (top ids and values flat, k a row) as {token: Logprob} dicts:
+    each position's seq_k most likely (ranks 1..seq_k), then its prompt token where it is not among them."""
+    if not seq_k:  # (the prompt tokens' own alone: lm-eval's scoring, RL's reference logprobs)
+        return [{t: Logprob(v, rank)} for t, v, rank in zip(targets[row : row + count], chosen[row : row + count],
+                                                           ranks[row : row + count])]
+    out = []
+    for r in range(row, row + count):
+        d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(top_ids[r * k : r * k + seq_k],
+                                                                  top_values[r * k : r * k + seq_k]), 1)}
+        if targets[r] not in d:  # (outside the top k: with its rank)
+            d[targets[r]] = Logprob(chosen[r], ranks[r])
+        out.append(d)
+    return out
+
+
 def _flat_prompt_logprobs(targets: list[int], chosen: list[float], ranks: list[int], top_ids: list[int],
                           top_values: list[float], row: int, count: int, k: int, seq_k: int) -> FlatLogprobs:
-    """Rows row..row+count of a step's prompt logprobs (top ids and values flat, k a row) as a FlatLogprobs: each
-    position's seq_k most likely (ranks 1..seq_k), then its prompt token where it is not among them."""
+    """The same rows as _prompt_logprob_dicts, as a FlatLogprobs."""
     if not seq_k:
         return FlatLogprobs(targets[row : row + count], chosen[row : row + count], ranks[row : row + count],
                             [None] * count, list(range(count)), list(range(1, count + 1)))

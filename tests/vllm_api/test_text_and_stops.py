@@ -16,10 +16,13 @@ PROMPT = "The capital of France is"
 SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256)
 
 
+def _tiny_llama(tmp_path_factory, name: str, tokenizer) -> LLM:
+    return LLM(make_checkpoint(tmp_path_factory.mktemp(name), "llama", tokenizer=tokenizer), **SMALL)
+
+
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("spm"), "llama", tokenizer=spm_tokenizer())
-    with LLM(path, **SMALL) as llm:
+    with _tiny_llama(tmp_path_factory, "spm", spm_tokenizer()) as llm:
         yield llm
 
 
@@ -40,8 +43,7 @@ def test_the_first_word_keeps_its_space_after_the_prompt(spm):
 
 @pytest.fixture(scope="module")
 def byte_fallback(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("byte_fallback"), "llama", tokenizer=byte_fallback_tokenizer())
-    with LLM(path, **SMALL) as llm:
+    with _tiny_llama(tmp_path_factory, "byte_fallback", byte_fallback_tokenizer()) as llm:
         yield llm
 
 
