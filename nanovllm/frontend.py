@@ -40,8 +40,10 @@ class Frontend:
 
     @property
     def llm_engine(self):
-        """vLLM's `llm.llm_engine`: here the LLM itself, which is its own engine (add_request, step, model_config)."""
-        return self
+        """vLLM's `llm.llm_engine`: a vllm_engine.LLMEngine over this LLM (add_request(request_id, prompt, params),
+        step() -> RequestOutputs, abort_request, model_config)."""
+        from nanovllm.vllm_engine import LLMEngine
+        return LLMEngine(self)
 
     @property
     def model_config(self) -> ModelConfig:

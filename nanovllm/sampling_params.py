@@ -1,3 +1,4 @@
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -6,12 +7,34 @@ from nanovllm.sampling.structured_outputs import StructuredOutputsParams, as_str
 MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a temperature in (0, 0.01) samples at 0.01
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What LLMEngine.step() returns for a request (vLLM's): its whole output so far each step it advances
+    (CUMULATIVE), only what that step added (DELTA), or its output once, when it finishes (FINAL_ONLY).
+    LLM.generate and chat return whole outputs whatever the kind, as vLLM's LLM does."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _output_kind(kind) -> RequestOutputKind:
+    """A RequestOutputKind from ours, vLLM's enum (by name), its name or int value, or None (CUMULATIVE)."""
+    if kind is None:
+        return RequestOutputKind.CUMULATIVE
+    name = kind if isinstance(kind, str) else getattr(kind, "name", None)
+    if isinstance(name, str) and name in RequestOutputKind.__members__:
+        return RequestOutputKind[name]
+    if _is_int(kind) and kind in {k.value for k in RequestOutputKind}:
+        return RequestOutputKind(kind)
+    raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {kind!r}")
 
 
 def check_seed(seed: int, name: str = "seed"):
@@ -48,8 +71,9 @@ class SamplingParams:
     id: bias} added to the logits), allowed_token_ids (only these may be sampled), bad_words (words never to generate,
     as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens, a text prompt keeping the special
     tokens its tokenizer adds), flat_logprobs (logprobs and prompt_logprobs as one FlatLogprobs each, read as the
-    same list of dicts: far cheaper to make for long prompts); logits_processors, output_kind and extra_args are
-    accepted at their defaults. max_tokens defaults to 16, as in vLLM; None runs up to max_model_len.
+    same list of dicts: far cheaper to make for long prompts), output_kind (a RequestOutputKind, for LLMEngine.step;
+    None reads as CUMULATIVE); logits_processors and extra_args are accepted at their defaults. max_tokens defaults
+    to 16, as in vLLM; None runs up to max_model_len.
     """
 
     temperature: float = 1.0
@@ -79,7 +103,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     flat_logprobs: bool = False
     logits_processors: list | None = None
-    output_kind: object = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -178,10 +202,7 @@ class SamplingParams:
         if self.logits_processors:
             raise ValueError("logits_processors (callables on the logits) are not supported: nanovllm applies its "
                              "own on the device; use logit_bias, allowed_token_ids, bad_words or structured_outputs")
-        kind = getattr(self.output_kind, "name", self.output_kind)
-        if kind not in (None, "CUMULATIVE", "FINAL_ONLY"):
-            raise ValueError(f"output_kind {kind!r} is not supported: generate returns whole outputs; use "
-                             "LLM.stream for deltas")
+        self.output_kind = _output_kind(self.output_kind)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 

@@ -512,8 +512,11 @@ class DataParallelLLM(Frontend):
                                   "calls; use generate() or stream(), or an LLM with data_parallel_size=1 for "
                                   "add_request / step")
 
-    def add_request(self, prompt=None, sampling_params=None, lora_request=None):
+    def add_request(self, prompt=None, sampling_params=None, lora_request=None, **options):
         self._no_step_api("add_request")
+
+    def abort_sequences(self, seqs):
+        self._no_step_api("abort_request")
 
     def step(self):
         self._no_step_api("step")

@@ -438,17 +438,27 @@ class LLMEngine:
     def _check_awake(self):
         check_awake(self._asleep, self._weights_discarded)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, lora_request=None) -> Sequence:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, lora_request=None, *,
+                    stream: bool = False) -> Sequence:
         """Queue one request for step() (under the adapter `lora_request`, or the base model); returns its first
         sample (with n > 1, the others are in `.forks` until its prompt is prefilled, then they run as sequences of
-        their own)."""
+        their own). stream: keep each sample's text up to date as tokens arrive (else only where stop strings need
+        it; the text is decoded at the end)."""
         with self._exclusive("add_request"):
             self._check_awake()
             seq = self.make_sequence(prompt, sampling_params)
             self._set_adapters([seq], [lora_request])
-            self._add_detokenizers([seq, *seq.forks], False)  # (its stop strings are found in the text)
+            self._add_detokenizers([seq, *seq.forks], stream)
             self.scheduler.add(seq)
             return seq
+
+    def abort_sequences(self, seqs: list[Sequence]) -> None:
+        """Finish these sequences now (finish_reason "abort"), freeing their KV blocks; a step in flight that holds
+        them leaves them as they are (finished sequences take no tokens)."""
+        with self._exclusive("abort_request"):
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:

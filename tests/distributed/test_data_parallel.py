@@ -479,9 +479,13 @@ def test_request_ids_count_as_one_engine_counts_them(dp, single):
 
 
 def test_the_step_api_is_refused_saying_what_to_use(dp):
-    """llm.llm_engine.add_request / step / is_finished: one engine's loop, which replicas do not expose; a bare
-    AttributeError said neither why nor what to call."""
-    for call in (lambda: dp.llm_engine.add_request([1, 2, 3], GREEDY), dp.llm_engine.step, dp.llm_engine.is_finished):
+    """The step APIs (nanovllm's add_request / step / is_finished, vLLM's llm.llm_engine.add_request / step /
+    abort_request): one engine's loop, which replicas do not expose; a bare AttributeError said neither why nor what
+    to call."""
+    engine = dp.llm_engine
+    for call in (lambda: dp.add_request([1, 2, 3], GREEDY), dp.step, dp.is_finished,
+                 lambda: engine.add_request("0", [1, 2, 3], GREEDY), engine.step,
+                 lambda: engine.abort_request(["0"])):
         with pytest.raises(NotImplementedError, match="data_parallel_size > 1.*use generate\\(\\) or stream\\(\\)"):
             call()
     assert [o["token_ids"] for o in dp.generate([[1, 2, 3]], GREEDY, use_tqdm=False)]

@@ -157,6 +157,19 @@ def test_outputs_echo_the_callers_request_and_add_request_takes_one(llm, qwen3_t
     assert seq.completion_token_ids == expected(qwen3_tied, prompt, lora_attention)
 
 
+def test_vllm_engine_requests_run_under_their_adapters(llm, qwen3_tied, lora_attention, lora_mixed):
+    """llm.llm_engine.add_request(request_id, prompt, params, lora_request=...), vLLM's engine API."""
+    engine, prompts, loras = llm.llm_engine, prompts_of(14, [7, 19, 11]), [lora_attention, None, lora_mixed]
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"r{i}", prompt, GREEDY, lora_request=lora)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        out = finished[f"r{i}"]
+        assert out.lora_request == lora and out.outputs[0].token_ids == expected(qwen3_tied, prompt, lora)
+
+
 def test_a_refused_call_registers_no_adapter(llm, qwen3_tied, lora_third):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[5, 6], [10**6]], GREEDY, lora_request=[lora_third, None], use_tqdm=False)

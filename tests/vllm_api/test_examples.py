@@ -200,3 +200,49 @@ def test_nano_vllm_script_calls(llm):
                for p in ("introduce yourself", "list all prime numbers within 100")]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=8))
     assert all(isinstance(output["text"], str) and output["text"] for output in outputs)
+
+
+def test_llm_engine_example(bundled, capsys):
+    """vLLM's examples/offline_inference/llm_engine_example.py (argparse.ArgumentParser for vLLM's
+    FlexibleArgumentParser): EngineArgs from the command line, one request added a step, finished outputs
+    printed."""
+    import argparse
+
+    from nanovllm import EngineArgs, LLMEngine, RequestOutput
+
+    def create_test_prompts() -> list[tuple[str, SamplingParams]]:
+        return [
+            ("A robot may not injure a human being", SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)),
+            ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2)),
+            ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_p=0.95,
+                                                            frequency_penalty=0.1)),
+        ]
+
+    def process_requests(engine: LLMEngine, test_prompts: list[tuple[str, SamplingParams]]):
+        request_id = 0
+        print("-" * 50)
+        while test_prompts or engine.has_unfinished_requests():
+            if test_prompts:
+                prompt, sampling_params = test_prompts.pop(0)
+                engine.add_request(str(request_id), prompt, sampling_params)
+                request_id += 1
+            request_outputs: list[RequestOutput] = engine.step()
+            for request_output in request_outputs:
+                if request_output.finished:
+                    print(request_output)
+                    print("-" * 50)
+
+    parser = argparse.ArgumentParser(description="Demo on using the LLMEngine class directly")
+    parser = EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", bundled, "--max-model-len", "1024"])
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        process_requests(engine, create_test_prompts())
+        printed = capsys.readouterr().out
+        assert printed.count("RequestOutput(request_id=") == 3
+        assert all(f"request_id='{i}'" in printed for i in range(3))
+        greedy = engine.llm.generate("A robot may not injure a human being", SamplingParams(temperature=0.0),
+                                     use_tqdm=False)[0].outputs[0]
+        assert repr(greedy.text) in printed  # the greedy request's text, as generate() gives it
+    finally:
+        engine.llm.exit()

@@ -95,7 +95,7 @@ def test_a_prompt_past_the_models_limit_is_not_told_to_raise_max_model_len(model
 
 
 def test_accessors(tiny, model):
-    assert tiny.llm_engine is tiny and tiny.get_tokenizer() is tiny.tokenizer
+    assert tiny.llm_engine.llm is tiny and tiny.get_tokenizer() is tiny.tokenizer
     config = tiny.llm_engine.model_config
     assert (config.model, config.max_model_len, config.dtype) == (model, 256, torch.float32)
     assert config.get_vocab_size() == tiny.config.hf_config.vocab_size and tiny.get_model_config() == config

@@ -164,7 +164,8 @@ def test_truncation_keeps_a_bos_and_an_eos_and_refuses_fewer_tokens_than_they_ar
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "logits_processors"),
-    (dict(output_kind="DELTA"), ValueError, "output_kind"),
+    (dict(output_kind="SOMETIMES"), ValueError, "output_kind"),
+    (dict(output_kind=3), ValueError, "output_kind"),
     (dict(logit_bias={"a": 1.0}), ValueError, "logit_bias"),
     (dict(logit_bias={5: float("inf")}), ValueError, "logit_bias"),
     (dict(allowed_token_ids=[]), ValueError, "allowed_token_ids"),

@@ -1,0 +1,64 @@
+"""vLLM's EngineArgs: the model and LLM(...)'s options, from code or a command line (add_cli_args, from_cli_args),
+for LLMEngine.from_engine_args."""
+import argparse
+import types
+import typing
+from dataclasses import fields
+
+from nanovllm.config import Config
+from nanovllm.llm import LLM
+from nanovllm.vllm_options import ALIASES
+
+
+class EngineArgs:
+    """vLLM's EngineArgs: the model and LLM(...)'s options (nanovllm's, and vLLM's names it takes: docs/usage.md,
+    docs/vllm_compat.md), checked when LLMEngine.from_engine_args makes the engine."""
+
+    def __init__(self, model: str, **options):
+        self.model = model
+        self.options = options
+        for name, value in options.items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"EngineArgs(model={self.model!r}{''.join(f', {k}={v!r}' for k, v in self.options.items())})"
+
+    def make_llm(self) -> LLM:
+        """The LLM these arguments describe. data_parallel_size > 1 is refused: its replicas serve whole generate()
+        calls, not an engine's steps."""
+        if self.options.get("data_parallel_size", 1) not in (1, None):
+            raise ValueError("LLMEngine.from_engine_args: data_parallel_size > 1 is not supported (its replicas serve "
+                             "whole generate() calls); use LLM(..., data_parallel_size=N).generate, or "
+                             "tensor_parallel_size for one engine over several GPUs")
+        return LLM(self.model, **self.options)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """--model and one --flag per option (nanovllm's Config fields, and vLLM's --block-size and
+        --num-gpu-blocks-override); an option left out of the command line keeps LLM's default."""
+        parser.add_argument("--model", required=True, help="a local checkpoint directory (or .gguf file)")
+        for name, kind in _cli_options().items():
+            flag = "--" + name.replace("_", "-")
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            else:
+                parser.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The options add_cli_args added that the command line set (other attributes of `args` are the script's)."""
+        names = _cli_options()
+        return cls(args.model, **{k: v for k, v in vars(args).items() if k in names})
+
+
+def _cli_options() -> dict[str, type]:
+    """Option name -> the type its command-line value parses as (str for an option of several types)."""
+    options = {}
+    for f in fields(Config):
+        if f.init and f.name != "model":
+            kinds = [k for k in typing.get_args(f.type) if k is not type(None)] if isinstance(
+                f.type, types.UnionType) else [f.type]
+            options[f.name] = kinds[0] if len(kinds) == 1 and kinds[0] in (int, float, bool) else str
+    options.update({vllm: options[ours] for vllm, ours in ALIASES.items()})
+    return options

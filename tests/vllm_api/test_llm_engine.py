@@ -1,0 +1,243 @@
+"""vLLM's LLMEngine step API (nanovllm.LLMEngine, llm.llm_engine): requests named by the caller, step() returning
+RequestOutputs by SamplingParams.output_kind, abort_request, EngineArgs from a command line. Every finished output
+equals what generate() gives for the same request, whatever the kind, the order requests arrive in, or aborts
+beside them."""
+import argparse
+import threading
+
+import pytest
+
+from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
+from tests.compare import assert_logprobs_close
+from tests.tiny_models import make_checkpoint
+
+SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=256)
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("llm_engine"), "qwen3", tie=True)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "async"])
+def llm(model, request):
+    with LLM(model, async_scheduling=request.param, **SMALL) as llm:
+        yield llm
+
+
+def _requests(llm) -> list[tuple[str, SamplingParams]]:
+    """Prompts and params that cover what an output carries: greedy with logprobs and prompt logprobs, a stop
+    string taken from the greedy text (so it is hit mid-run), seeded n=2, a min_tokens / EOS case."""
+    greedy = llm.generate(["a b c d"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    stop = greedy[len(greedy) // 2:len(greedy) // 2 + 3]
+    return [
+        ("a b c d", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1)),
+        ("a b c d", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])),
+        ("the cat sat", SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=17, logprobs=0)),
+        ("x", SamplingParams(temperature=0.8, seed=3, max_tokens=30, min_tokens=5)),
+    ]
+
+
+def _same(got: list[tuple], want) -> None:
+    """Samples as (index, text, token_ids, finish_reason, stop_reason, cumulative_logprob, logprobs) against a
+    generate() output: the same text and tokens; logprobs to float32 rounding (another run, other batches)."""
+    assert [g[:5] for g in got] == [(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
+                                    for c in want.outputs]
+    for g, c in zip(got, want.outputs):
+        assert (g[5] is None) == (c.cumulative_logprob is None) and (g[5] is None or g[5] == pytest.approx(
+            c.cumulative_logprob, abs=1e-3))
+        assert_logprobs_close(g[6], c.logprobs)
+
+
+def _fields(c) -> tuple:
+    return (c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.cumulative_logprob,
+            None if c.logprobs is None else list(c.logprobs))
+
+
+def _run(engine: LLMEngine, requests, kind) -> dict[str, list]:
+    """vLLM's llm_engine_example loop (one request added a step): every RequestOutput each request gets."""
+    got: dict[str, list] = {}
+    pending = list(enumerate(requests))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, (prompt, params) = pending.pop(0)
+            params.output_kind = kind
+            engine.add_request(f"req-{i}", prompt, params)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    return got
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY], ids=lambda k: k.name)
+def test_outputs_by_kind_equal_generate(llm, kind):
+    requests = _requests(llm)
+    expected = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    got = _run(llm.llm_engine, requests, kind)
+    assert sorted(got) == [f"req-{i}" for i in range(len(requests))]
+    for i, want in enumerate(expected):
+        outs = got[f"req-{i}"]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert all(o.prompt_token_ids == want.prompt_token_ids and o.prompt == want.prompt for o in outs)
+        if kind == FINAL_ONLY:
+            assert len(outs) == 1
+        if kind == DELTA:  # each sample's pieces, joined
+            joined = {}
+            for out in outs:
+                for c in out.outputs:
+                    _, text, ids, _, _, _, logprobs = joined.get(c.index, (0, "", [], 0, 0, 0, []))
+                    joined[c.index] = (c.index, text + c.text, ids + list(c.token_ids), c.finish_reason,
+                                       c.stop_reason, c.cumulative_logprob,
+                                       None if c.logprobs is None else logprobs + list(c.logprobs))
+            _same([joined[i] for i in sorted(joined)], want)
+            assert [o.prompt_logprobs is not None for o in outs] == [
+                want.prompt_logprobs is not None] + [False] * (len(outs) - 1)  # (the prompt's, once)
+            prompt_logprobs = outs[0].prompt_logprobs
+        else:
+            _same([_fields(c) for c in outs[-1].outputs], want)
+            prompt_logprobs = outs[-1].prompt_logprobs
+        assert (prompt_logprobs is None) == (want.prompt_logprobs is None)
+        if prompt_logprobs is not None:
+            assert prompt_logprobs[0] is None and want.prompt_logprobs[0] is None
+            assert_logprobs_close(prompt_logprobs[1:], want.prompt_logprobs[1:])
+        if kind == CUMULATIVE:  # each output extends the one before; a running text never shows the stop string
+            stops = requests[i][1].stop_strings
+            for before, after in zip(outs, outs[1:]):
+                for b, a in zip(before.outputs, after.outputs):
+                    assert a.text.startswith(b.text) and a.token_ids[:len(b.token_ids)] == b.token_ids
+                    assert not any(s in b.text for s in stops)
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.get_num_unfinished_requests() == 0
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+def test_delta_cumulative_logprob_is_the_running_sum(llm):
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=1, output_kind=DELTA)
+    engine = llm.llm_engine
+    engine.add_request("d", [5, 6, 7], params)
+    total, seen = 0.0, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            total += sum(d[t] for d, t in zip(c.logprobs, c.token_ids))
+            seen.append(c.cumulative_logprob)
+    assert seen[-1] == pytest.approx(total)
+    assert seen[-1] == pytest.approx(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+                                     .cumulative_logprob)
+
+
+def test_abort_frees_a_request_and_leaves_the_others_exact(llm):
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("keep", [1, 2, 3, 4], long)
+    engine.add_request("drop", [9, 8, 7] * 20, SamplingParams(temperature=0.7, seed=1, n=3, max_tokens=60))
+    engine.add_request("never", [4, 4, 4], long)
+    engine.abort_request("never")  # (still waiting: never prefilled)
+    outputs = {}
+    for step in range(200):
+        if step == 4:
+            engine.abort_request(["drop", "no-such-id"])  # (mid-decode, its samples forked)
+            assert engine.get_num_unfinished_requests() == 1
+        for out in engine.step():
+            assert out.request_id != "never" and (out.request_id != "drop" or step < 4)
+            outputs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert outputs["keep"].finished and "never" not in outputs
+    assert outputs["keep"].outputs[0].token_ids == llm.generate([[1, 2, 3, 4]], long, use_tqdm=False)[0]["token_ids"]
+    engine.step()  # (a step still in flight settles)
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+def test_refusals_leave_nothing_queued(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        engine.add_request(0, [1, 2], params)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        engine.add_request("a", [1, 2], {"temperature": 0})
+    with pytest.raises(ValueError, match="priority=1 is not supported"):
+        engine.add_request("a", [1, 2], params, priority=1)
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        engine.add_request("a", [1, 2], params, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a", [1] * 300, params)
+    assert not engine.has_unfinished_requests() and llm.is_finished()
+    engine.add_request("a", [1, 2], params)
+    with pytest.raises(ValueError, match="'a' is already running"):
+        engine.add_request("a", [3, 4], params)
+    with pytest.raises(RuntimeError, match="still running"):  # (generate() would take the step API's requests)
+        llm.generate([[1, 2]], params, use_tqdm=False)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["a"] and outs[-1].outputs[0].token_ids == llm.generate(
+        [[1, 2]], params, use_tqdm=False)[0]["token_ids"]
+
+
+def test_requests_added_from_another_thread_mid_loop(llm):
+    """A serving loop steps in one thread while another adds requests: add_request waits for the step."""
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([[i, i + 1, i + 2] for i in range(6)], params, use_tqdm=False)
+    added, finished, errors, stepped = threading.Event(), {}, [], threading.Semaphore(0)
+
+    def add():
+        try:
+            for i in range(6):
+                stepped.acquire()  # (after a step: the loop is entering its next one)
+                engine.add_request(str(i), [i, i + 1, i + 2], params)
+        except Exception as e:  # (the loop below must end either way)
+            errors.append(e)
+        finally:
+            added.set()
+
+    adder = threading.Thread(target=add)
+    adder.start()
+    engine.add_request("first", [7, 7, 7], params)
+    while not added.is_set() or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        stepped.release()
+    adder.join()
+    assert not errors and finished.pop("first") and finished == {str(i): out["token_ids"]
+                                                                   for i, out in enumerate(expected)}
+
+
+def test_generate_takes_any_output_kind(llm):
+    """vLLM's LLM.generate returns whole outputs whatever output_kind says."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
+    for kind in (DELTA, FINAL_ONLY, 0, "DELTA"):
+        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=kind)
+        assert llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0]["token_ids"] == want
+
+
+def test_engine_args_from_a_command_line(model):
+    """vLLM's llm_engine_example: EngineArgs.add_cli_args, from_cli_args, LLMEngine.from_engine_args."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-prompts", type=int, default=2)  # (a script's own flag stays the script's)
+    parser = EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", model, "--max-model-len", "256", "--block-size", "16",
+                              "--num-gpu-blocks-override", "48", "--no-enable-prefix-caching", "--num-prompts", "3"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.options == dict(max_model_len=256, block_size=16, num_gpu_blocks_override=48,
+                                       enable_prefix_caching=False)
+    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        config = engine.llm.config
+        assert (config.max_model_len, config.kvcache_block_size, config.num_kvcache_blocks,
+                config.enable_prefix_caching) == (256, 16, 48, False)
+        assert engine.get_model_config().max_model_len == 256 and engine.get_tokenizer() is engine.llm.tokenizer
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        got = _run(engine, [("hello", params)] * args.num_prompts, FINAL_ONLY)
+        assert len(got) == 3 and len({tuple(o[0].outputs[0].token_ids) for o in got.values()}) == 1
+    finally:
+        engine.llm.exit()
+    with pytest.raises(SystemExit):  # (argparse's own error: a bad value or a missing --model)
+        EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-model-len", "x"])
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported"):
+        LLMEngine.from_engine_args(EngineArgs(model, data_parallel_size=2))
+    with pytest.raises(TypeError, match="unknown option"):
+        LLMEngine.from_engine_args(EngineArgs(model, no_such_option=1))
