@@ -10,6 +10,8 @@ docs/quantization.md).
   torch._scaled_mm's block scaling (cuBLASLt's DeepSeek-style GEMM) where the caller passes the scales one per
   128 x 128 block (quantization/fp8.py decides; blockwise_scaled_mm_works says this torch runs it), else the
   Triton kernel below, which adds each group's product times both scales (the DeepSeek/Qwen FP8 recipe).
+- Static activation scales (per-channel weights only): x quantized with the layer's one fixed scale, then as per
+  channel.
 The torch references (quantization/fp8.py's dequantize) are the tests' oracles."""
 import torch
 import triton
@@ -23,11 +25,12 @@ MAX_TILE = 16384  # columns a quantizer program holds in registers; a longer gro
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
-                  GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns: each group's |max| / 448 its scale, its
-    values divided into fp8. A group that fits BLOCK_G is read once, as a [GROUPS, BLOCK_G] tile; a longer one
-    (GROUPS 1) is read BLOCK_G columns at a time, once for its max and once to divide."""
+def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, STATIC: tl.constexpr):
+    """Row pid(0), groups [pid(1) * GROUPS, +GROUPS) of GROUP columns: each group's |max| / 448 its scale (STATIC:
+    the one scale at static_ptr), its values divided into fp8. A group that fits BLOCK_G is read once, as a
+    [GROUPS, BLOCK_G] tile; a longer one (GROUPS 1) is read BLOCK_G columns at a time, once for its max (not when
+    STATIC) and once to divide."""
     row = tl.program_id(0).to(tl.int64)
     if BLOCK_G >= GROUP:
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -35,7 +38,10 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_s
         k = g[:, None] * GROUP + c[None, :]
         mask = (c[None, :] < GROUP) & (k < K)
         x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        if STATIC:
+            scale = tl.zeros((GROUPS,), tl.float32) + tl.load(static_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
         q = tl.clamp(x / scale[:, None], -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
@@ -43,12 +49,15 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_s
         group = tl.program_id(1)
         start = group * GROUP
         end = tl.minimum(start + GROUP, K)
-        amax = tl.zeros((BLOCK_G,), tl.float32)
-        for k0 in range(start, end, BLOCK_G):
-            k = k0 + tl.arange(0, BLOCK_G)
-            x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            amax = tl.zeros((BLOCK_G,), tl.float32)
+            for k0 in range(start, end, BLOCK_G):
+                k = k0 + tl.arange(0, BLOCK_G)
+                x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
         for k0 in range(start, end, BLOCK_G):
             k = k0 + tl.arange(0, BLOCK_G)
             x = tl.load(x_ptr + row * stride_x + k, mask=k < end, other=0).to(tl.float32)
@@ -57,11 +66,13 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_s
         tl.store(s_ptr + row * stride_s + group * stride_sg, scale)
 
 
-def quantize_activations(x: torch.Tensor, group: int | None,
-                         column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: int | None, column_major: bool = False,
+                         static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in fp8, scales [M, groups] float32): per token (group None: one group per row) or per token and group.
     column_major: the scales laid out group by group (strides (1, M)), as _scaled_mm's 1x128 block scaling takes
-    them."""
+    them. static_scale: a float32 tensor of one element on x's device (a layer's static activation scale s): x is
+    quantized with it, clamp(x / s, -448, 448), and every scale returned is s. It is read on the device (no host
+    sync), so a CUDA graph captures the read, not the value."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -76,8 +87,10 @@ def quantize_activations(x: torch.Tensor, group: int | None,
         block_g = min(triton.next_power_of_2(group), MAX_TILE)
         per = max(1, min(2048 // block_g, triton.next_power_of_2(groups)))
         warps = 4 if per * block_g <= 4096 else 8 if per * block_g <= 16384 else 16
-        _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                                     GROUP=group, GROUPS=per, BLOCK_G=block_g, num_warps=warps)
+        static = static_scale if static_scale is not None else s  # (unread unless STATIC)
+        _quant_kernel[(m, triton.cdiv(groups, per))](x, q, s, static, k, x.stride(0), q.stride(0), s.stride(0),
+                                                     s.stride(1), GROUP=group, GROUPS=per, BLOCK_G=block_g,
+                                                     STATIC=static_scale is not None, num_warps=warps)
     return q, s
 
 
@@ -230,12 +243,15 @@ _BLOCKWISE: dict[int, bool] = {}
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int | None,
                bias: torch.Tensor | None, activations: bool = True,
-               block_scale: torch.Tensor | None = None, shared_rows: int = 1) -> torch.Tensor:
+               block_scale: torch.Tensor | None = None, shared_rows: int = 1,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantized(weight)^T (+ bias), x's dtype out; weight fp8 [N, K]; scale [N] (per channel) or [N, groups]
-    (per `group` columns). activations: x may be quantized to fp8 (a checkpoint with dynamic fp8 activations);
-    False keeps it as it is (weight-only checkpoints). block_scale: the same scales one per 128 x 128 block
+    (per `group` columns). activations: x may be quantized to fp8 (a checkpoint with fp8 activations); False keeps
+    it as it is (weight-only checkpoints). block_scale: the same scales one per 128 x 128 block
     ([N / 128, K / 128]; group 128, K / 128 a multiple of 4), for cuBLASLt's block-scaled GEMM where
-    blockwise_scaled_mm_works; bfloat16 x only. shared_rows: gemv's WeightScale.rows (one row of x)."""
+    blockwise_scaled_mm_works; bfloat16 x only. shared_rows: gemv's WeightScale.rows (one row of x). input_scale:
+    a static activation scale ([1] float32 on x's device; per-channel scales only): x is quantized with it instead
+    of per token. 1 to SMALL_ROWS 16-bit rows take gemv / w8a16 with x unquantized, static or dynamic alike."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
@@ -253,8 +269,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
             x = torch.cat([x, x.new_zeros(4 - m % 4, x.shape[1])])
         q, s = quantize_activations(x, group, column_major=True)
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=block_scale.t(), out_dtype=x.dtype)[:m]
-    elif scale.dim() == 1:
-        q, s = quantize_activations(x, group)
+    elif scale.dim() == 1:  # (static: s is input_scale on every row, as _scaled_mm's row-wise scaling takes it)
+        q, s = quantize_activations(x, group, static_scale=input_scale)
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale[None, :], out_dtype=x.dtype)
     else:
         q, s = quantize_activations(x, group)

@@ -461,6 +461,25 @@ def test_activation_quantizer_matches_its_definition(k, group, column_major):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("k", [640, 20000])
+def test_activation_quantizer_with_a_static_scale(k):
+    """static_scale: every row quantized with the one scale given, clamp(x / s, -448, 448) in e4m3 (rows larger than
+    448 s saturate), and every scale returned is s; a row in one tile, and one past a program's tile (20,000
+    columns: no max pass). Codes within the interpreter's own e4m3 roundings, as above."""
+    from nanovllm.kernels.fp8_gemm import quantize_activations
+    torch.manual_seed(k)
+    x = (torch.randn(5, k) * torch.logspace(-2, 1, 5)[:, None]).to(torch.float16)
+    static = torch.tensor([x[2].float().abs().max().item() / 448.0])  # rows 3 and 4 saturate
+    q, s = quantize_activations(x, None, static_scale=static)
+    assert s.shape == (5, 1) and (s == static).all()
+    got, want = q.float(), (x.float() / static).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    interpreter_rounding = ((got - want).abs() <= want.abs() / 8 + 2 ** -9) | (got * 2 == want)
+    assert ((got == want) | interpreter_rounding).all()
+    assert (got == want).float().mean() > 0.95
+    assert (got.abs().amax(1)[3:] == 448).all() and (got.abs().amax(1)[:2] < 448).all()
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [20, 100])
 def test_block_scaled_fp8_gemm(rows):
     """block_gemm on fp8 activations (scales per token and group) and block-scaled weights; small-batch and larger

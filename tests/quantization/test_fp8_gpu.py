@@ -56,6 +56,45 @@ def test_fp8_linear_against_float32(m, group):
                                    + bias.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_fp8_linear_with_a_static_input_scale(m):
+    """A static layer (input_scale): past 16 rows x is quantized with the fixed scale, clamp(x / s, -448, 448) in
+    e4m3, every row's scale s, then _scaled_mm; the product is the float32 one of those operands. s = 1/448 clips
+    every |x| past 1 (about a third of these values), so per-token scales would give another product. 1 and 16 rows
+    take gemv / w8a16, x unquantized, as dynamic layers do. A CUDA graph captures the scale's read, not its value."""
+    from nanovllm.kernels.fp8_gemm import fp8_linear, quantize_activations
+    from nanovllm.quantization.fp8 import quantize_rows
+    torch.manual_seed(m)
+    n, k = 384, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_rows(torch.randn(n, k, device="cuda") * 0.05)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([1 / 448], device="cuda")
+
+    def expected(scale):
+        if m <= 16:
+            return _reference(x, torch.ones(m, 1, device="cuda"), wq, ws, None) + bias.float()
+        xq = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return _reference(xq, scale.expand(m, 1), wq, ws, None) + bias.float()
+    y = fp8_linear(x, wq, ws, None, bias, input_scale=s)
+    torch.testing.assert_close(y.float(), expected(s), atol=2e-2, rtol=2e-2)
+    if m <= 16:
+        return
+    q, rows = quantize_activations(x, None, static_scale=s)
+    assert torch.equal(rows, s.expand(m, 1))
+    xq = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert (q.float() == xq.float()).float().mean() > 0.999  # (x / s in float32, then e4m3's round to nearest)
+    assert (q.float().abs() == 448).float().mean() > 0.25  # (the clipped third)
+    dynamic = fp8_linear(x, wq, ws, None, bias)
+    assert not torch.allclose(dynamic.float(), expected(s), atol=0.1, rtol=0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_linear(x, wq, ws, None, bias, input_scale=s)
+    s.fill_(3 / 448)  # (the scale a graph replay must read afresh)
+    graph.replay()
+    torch.testing.assert_close(captured.float(), expected(s), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 100])
 def test_fp8_linear_on_block_scales_shared_by_rows(m):
     # Qwen's 128 x 128 blocks (scales repeated over their rows): one row scales x once for a program's rows (gemv);
