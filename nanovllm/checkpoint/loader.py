@@ -258,7 +258,10 @@ _SCALE_HINTS = {
                         "nanovllm read no weight_block_size as one scale per tensor, stored as weight_scale)",
     "weight_scale": ": fp8 weight scales, which this quantization_config does not name (Qwen's block format stores "
                     "weight_scale_inv; a module its ignore list names has none)",
-    "input_scale": ": a static activation scale; nanovllm quantizes activations dynamically only",
+    "input_scale": ": a static activation scale, which only a layer that quantization_config quantizes with static "
+                   "activations reads (quant_method 'fp8' with activation_scheme 'static', or compressed-tensors' "
+                   "input_activations with dynamic false and strategy 'tensor'); this config's activations are "
+                   "dynamic or 16-bit, or its ignore list names this module",
     **dict.fromkeys(("k_scale", "v_scale", "output_scale"), ": a static KV-cache scale (a kv_cache_scheme), which "
                     "nanovllm does not read; kv_cache_dtype='fp8' scales each token's keys and values itself"),
 }

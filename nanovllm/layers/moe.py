@@ -88,7 +88,8 @@ class StackedExperts(nn.Module):
         size = size or self.intermediate
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def _expert(self, shard_id: tuple[int, int]) -> int:
+    def expert_index(self, shard_id: tuple[int, int]) -> int:
+        """The expert a per-expert shard id names; ValueError for one that does not exist."""
         expert = shard_id[0]
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} does not exist (the config has num_experts={self.num_experts})")
@@ -109,7 +110,7 @@ class StackedExperts(nn.Module):
             check_weight_shape(loaded, (self.num_experts, 2 * full, self.hidden_size))
             return [((slice(None), slice(part * size, (part + 1) * size)),
                      self._rank_slice(loaded.narrow(1, part * full, full), 1)) for part in (GATE, UP)]
-        expert, part = self._expert(shard_id), shard_id[1]
+        expert, part = self.expert_index(shard_id), shard_id[1]
         check_weight_shape(loaded, (full, *param.shape[2:]))  # (an fp8 weight's scales: [rows(, groups)])
         return [((expert, slice(part * size, (part + 1) * size)), self._rank_slice(loaded, 0))]
 
@@ -120,10 +121,10 @@ class StackedExperts(nn.Module):
             return [(slice(None), self._rank_slice(loaded, 2))]
         if param.dim() == 2:  # per-row scales of fp8 weights: [H]
             check_weight_shape(loaded, (self.hidden_size,))
-            return [(self._expert(shard_id), loaded)]
+            return [(self.expert_index(shard_id), loaded)]
         cols = param.shape[2]  # I / tp (block scales: its groups)
         check_weight_shape(loaded, (self.hidden_size, cols * self.tp_size))
-        return [(self._expert(shard_id), self._rank_slice(loaded, 1, cols))]
+        return [(self.expert_index(shard_id), self._rank_slice(loaded, 1, cols))]
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None):
         copy_into(param, self._gate_up_placements(param, loaded, shard_id))

@@ -14,15 +14,17 @@ class QuantConfig:
     """FP8 (e4m3) weights with one float32 scale per `block` = (rows, columns) of the weight: columns None means a
     whole row (per-channel; a per-tensor scale is a per-channel one repeated); activations quantized on the fly
     per token (per-channel weights) or per token and group of `block[1]` columns (block-scaled weights), unless
-    `activations` is False (a weight-only checkpoint). online: the checkpoint holds 16/32-bit weights, quantized at
-    load. ignore: module names left unquantized."""
+    `activations` is False (a weight-only checkpoint). static_activations: activations are quantized with one fixed
+    scale per layer instead, the checkpoint's `input_scale` (per-channel weights only). online: the checkpoint holds
+    16/32-bit weights, quantized at load. ignore: module names left unquantized."""
 
     method: str  # "fp8" or "compressed-tensors" (how the checkpoint names it)
     block: tuple[int, int | None] = (1, None)
     online: bool = False
     scale_name: str = "weight_scale"  # the checkpoint's name for the scales (Qwen's block format: weight_scale_inv)
     ignore: tuple[str, ...] = field(default=())
-    activations: bool = True  # dynamic fp8 activations (False: 16-bit activations against fp8 weights)
+    activations: bool = True  # fp8 activations (False: 16-bit activations against fp8 weights)
+    static_activations: bool = False  # (with activations) one checkpoint scale per layer (input_scale), not per token
     transformers_ignore: tuple[str, ...] = field(default=())  # modules_to_not_convert, also read as transformers does
 
     def quantizes(self, module_name: str) -> bool:
@@ -67,8 +69,8 @@ def quant_config(hf_config, quantization: str | None) -> QuantConfig | None:
     method = spec.get("quant_method")
     if method not in QUANTIZATION_METHODS:  # (first: saying to pass quantization=None would not help)
         raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does not "
-                         "support; supported: 'fp8' (e4m3 weights, dynamic activations) and 'compressed-tensors' "
-                         "(float-quantized fp8)")
+                         "support; supported: 'fp8' (e4m3 weights, dynamic or static activations) and "
+                         "'compressed-tensors' (float-quantized fp8)")
     if quantization is not None and quantization != method:
         raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} (its "
                          "config.json's quantization_config); pass quantization=None to load it as it is")
@@ -115,17 +117,22 @@ def _fp8(spec: dict) -> QuantConfig:
     where = "quantization_config (quant_method 'fp8')"
     if spec.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}: fmt {spec['fmt']!r} is not supported; only 'e4m3'")
-    if str(spec.get("activation_scheme", "dynamic")).lower() != "dynamic":  # (transformers lowercases it)
-        raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported (static "
-                         "activation scales); only 'dynamic'")
+    scheme = str(spec.get("activation_scheme", "dynamic")).lower()  # (transformers lowercases it)
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported; 'dynamic' or "
+                         "'static'")
     if spec.get("kv_cache_scheme"):  # (AutoFP8's "static": k/v_proj.output_scale tensors no layer here reads)
         raise ValueError(f"{where}: kv_cache_scheme {spec['kv_cache_scheme']!r} (static KV-cache scales) is not "
                          "supported; use kv_cache_dtype='fp8' for an 8-bit cache")
     block = spec.get("weight_block_size")
     ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
     hf_ignore = tuple(spec.get("modules_to_not_convert") or ())
+    static = scheme == "static"  # (AutoFP8's: a scalar input_scale per linear)
     if block is None:  # a scale per tensor
-        return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore)
+        return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore, static_activations=static)
+    if static:  # (as vLLM: block-scaled weights quantize activations per token and group, on the fly)
+        raise ValueError(f"{where}: activation_scheme 'static' with weight_block_size {block!r} is not supported; "
+                         "static activation scales go with per-tensor weight scales (no weight_block_size)")
     if not _block_ok(block):
         raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two, the columns' at "
                          "least 32 ([128, 128] in Qwen's FP8 checkpoints)")
@@ -166,17 +173,39 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
     if not weights.get("symmetric", True) or weights.get("dynamic", False):
         raise ValueError(f"{where}: asymmetric or dynamic weight scales are not supported")
     strategy = weights.get("strategy")
-    if inputs is not None and (not inputs.get("dynamic", False) or (inputs.get("num_bits"), inputs.get("type"))
-                               != (8, "float")):
-        raise ValueError(f"{where}: static or non-fp8 input activation scales are not supported; only dynamic "
-                         "fp8 activations (or none)")
+    static = _static_inputs(inputs, where)
     ignore, activations = tuple(spec.get("ignore") or ()), inputs is not None
     if strategy in ("channel", "tensor"):
-        return QuantConfig("compressed-tensors", ignore=ignore, activations=activations)
+        return QuantConfig("compressed-tensors", ignore=ignore, activations=activations, static_activations=static)
     if strategy == "block":
+        if static:
+            raise ValueError(f"{where}: static input activation scales with block-scaled weights are not supported; "
+                             "static (strategy 'tensor') input scales go with 'channel' or 'tensor' weights")
         block = weights.get("block_structure")
         if not _block_ok(block):
             raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two, the columns' "
                              "at least 32")
         return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore, activations=activations)
     raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; 'channel', 'tensor' or 'block'")
+
+
+def _static_inputs(inputs: dict | None, where: str) -> bool:
+    """Whether compressed-tensors' input_activations are static: one fp8 scale per layer (strategy 'tensor',
+    symmetric), the checkpoint's input_scale. False for dynamic fp8 activations or none; ValueError for any other
+    (non-fp8, or static per channel, group or token, or asymmetric)."""
+    if inputs is None:
+        return False
+    if (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
+        raise ValueError(f"{where}: input activations of {inputs.get('num_bits')} bits, type {inputs.get('type')!r} "
+                         "are not supported; only fp8 (8-bit float) activations, dynamic or static per tensor (or "
+                         "none)")
+    if inputs.get("dynamic", False):
+        return False
+    strategy = inputs.get("strategy")
+    if strategy != "tensor":
+        raise ValueError(f"{where}: static input activation scales with strategy {strategy!r} are not supported; "
+                         "static input scales must be per tensor (strategy 'tensor'), or dynamic")
+    if not inputs.get("symmetric", True):
+        raise ValueError(f"{where}: asymmetric static input activation scales (a zero point) are not supported; only "
+                         "symmetric ones")
+    return True

@@ -13,7 +13,15 @@ On CPU the weights are dequantized to the model's dtype once loaded (the engine 
 logic is what the CPU tests check); on CUDA they stay fp8 and `apply` runs kernels/fp8_gemm.py's product: activations
 quantized on the fly (per token, or per token and group for block scales) for an fp8 GEMM, or left 16-bit against the
 fp8 weight for small batches and weight-only checkpoints. MoE experts (Fp8Experts) keep their stacked weights in fp8 the
-same way, scales [experts, rows(, groups)], read by the fused MoE kernel against 16-bit activations."""
+same way, scales [experts, rows(, groups)], read by the fused MoE kernel against 16-bit activations.
+
+Static activation scales (AutoFP8's activation_scheme "static", compressed-tensors' static per-tensor input
+activations; per-channel or per-tensor weights only): each quantized layer loads its checkpoint modules' scalar
+`input_scale` (one per packed module, the same on every rank), each checked finite and positive, and keeps their
+maximum (the packed modules share one input, so the largest scale clips none of them; as vLLM does). On CUDA the
+product quantizes x with that fixed scale instead of each token's own; 1-16 rows still read the fp8 weight against
+x as it is, as for dynamic layers. On CPU, where activations are not quantized, the scale is checked and dropped;
+MoE experts' scales likewise everywhere (the fused MoE kernel takes 16-bit activations)."""
 
 import torch
 from torch import nn
@@ -62,11 +70,13 @@ class Fp8Linear:
         self.block_scale: torch.Tensor | None = None  # (finish) the scales per 128 x 128 block, for cuBLASLt
         self.shared_rows = 1  # (finish) aligned rows that share their scales (gemv's WeightScale.rows)
         self.scale_name = config.scale_name
+        self.input_scale: torch.Tensor | None = None  # (finish, static activations on CUDA) [1] float32
 
     # ---- making and loading the weights ----------------------------------------------------------------
     def create_weights(self, layer: nn.Module, name: str):
         """Give the layer an fp8 weight and its scales, loaded through the layer's own loaders (online: its
-        checkpoint's 16/32-bit weights quantized per row as they load, one tensor at a time)."""
+        checkpoint's 16/32-bit weights quantized per row as they load, one tensor at a time). Static activations:
+        an `input_scale` too, one scalar per checkpoint module packed in the layer (the same on every rank)."""
         out, inp = layer.weight.shape
         # the model's dtype (built under it): online, weights are rounded to it before quantizing; on CPU, dequantized
         self.dtype = torch.get_default_dtype()
@@ -88,6 +98,11 @@ class Fp8Linear:
         scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         scale.weight_loader = lambda param, loaded, shard_id=None: self._load_scale(layer, param, loaded, shard_id)
         setattr(layer, self.scale_name, scale)
+        if self.config.static_activations:
+            from nanovllm.layers.linear import QKVParallelLinear
+            parts = 3 if isinstance(layer, QKVParallelLinear) else len(getattr(layer, "output_sizes", [None]))
+            layer.input_scale = nn.Parameter(torch.empty(parts, dtype=torch.float32), requires_grad=False)
+            layer.input_scale.weight_loader = _load_input_scale
 
     def _load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """A checkpoint's scales for this layer (or one part of a packed one) as the layer keeps them: block rows
@@ -108,7 +123,10 @@ class Fp8Linear:
         else:
             scale = getattr(layer, self.scale_name).data
             delattr(layer, self.scale_name)
-        if not weight.is_cuda:
+        if self.config.static_activations:  # the packed modules share one input: the largest scale covers them all
+            input_scale = layer.input_scale.data.max().reshape(1)
+            delattr(layer, "input_scale")
+        if not weight.is_cuda:  # (a static input scale is dropped: CPU runs 16/32-bit activations)
             layer.weight = nn.Parameter(dequantize(weight, scale, self.group).to(self.dtype), requires_grad=False)
             layer.weight.weight_loader = layer.weight_loader
             return None
@@ -117,6 +135,8 @@ class Fp8Linear:
         self.block_scale = self._block_scale(weight, scale)
         from nanovllm.kernels.gemv import shared_rows
         self.shared_rows = shared_rows(scale)
+        if self.config.static_activations:
+            self.input_scale = input_scale  # (a device tensor: CUDA graphs read it, no host sync)
         return self
 
     def _block_scale(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -135,7 +155,7 @@ class Fp8Linear:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from nanovllm.kernels.fp8_gemm import fp8_linear
         return fp8_linear(x, layer.weight, self.scale, self.group, bias, self.config.activations,
-                          self.block_scale, self.shared_rows)
+                          self.block_scale, self.shared_rows, self.input_scale)
 
 
 def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_rows: int,
@@ -160,6 +180,37 @@ def scales_per_row(loaded: torch.Tensor, rows: int, groups: int | None, block_ro
     return loaded.repeat_interleave(block_rows, dim=0)[:rows]
 
 
+_PARTS = {None: 0, "q": 0, "k": 1, "v": 2}  # where a checkpoint module's input scale goes in a layer's input_scale
+
+
+def check_input_scale(loaded: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's static activation scale as a 0-dim float32 tensor. ValueError unless it holds one value that
+    is finite and positive (x / scale must be a number)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"input scale of shape {tuple(loaded.shape)}: a static activation scale is one value per "
+                         "tensor (only per-tensor static activation scales are supported)")
+    value = loaded.float().reshape(())
+    if not (torch.isfinite(value) and value > 0):
+        raise ValueError(f"input scale {value.item()} is not a finite positive number: the checkpoint is damaged; "
+                         "re-download or re-quantize it")
+    return value
+
+
+def _load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    """One checkpoint module's static activation scale into a layer's input_scale (its part of a packed layer:
+    q/k/v or gate/up). Replicated: every rank reads the whole scalar."""
+    param.data[_PARTS.get(shard_id, shard_id)] = check_input_scale(loaded)
+
+
+def _load_expert_input_scale(experts: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    """One expert's projection's static activation scale into [experts, projections] (checked, then dropped at
+    finish)."""
+    if shard_id is None:
+        raise ValueError("stacked expert input scales (one tensor for every expert) are not supported; nanovllm "
+                         "reads them per expert and projection, as the FP8 checkpoints store them")
+    param.data[experts.expert_index(shard_id), shard_id[1]] = check_input_scale(loaded)
+
+
 def _full_rows(layer: nn.Module, param: nn.Parameter, shard_id) -> int:
     """Output rows of the checkpoint tensor a (shard of a) layer's parameter is loaded from."""
     if shard_id is None:
@@ -175,7 +226,9 @@ class Fp8Experts:
     gate_up_scale [E, 2I(, H / group)] and down_scale [E, H(, I / group)] (block scales repeated over their rows, as
     Fp8Linear keeps them). Checkpoint scales load through the parameters `<weight>_<scale name>`, per expert and
     projection like the weights (tensor parallelism slices them alike); online, the 16-bit experts are quantized per
-    row once loaded. CPU: dequantized at load."""
+    row once loaded. CPU: dequantized at load. Static activations: each expert's projections' input_scale loads
+    through `<weight>_input_scale` ([E, 2] gate and up, [E, 1] down) and is checked like a layer's, then dropped:
+    the fused MoE kernel reads fp8 experts against 16-bit activations."""
 
     PARTS = ("gate_up_proj", "down_proj")
 
@@ -213,6 +266,13 @@ class Fp8Experts:
                                    self._load_scale(experts, part, param, loaded, shard_id))
             scale.shard_ids = old.shard_ids
             setattr(experts, f"{part}_{self.scale_name}", scale)
+            if self.config.static_activations:  # (read and checked, not used: the experts take 16-bit activations)
+                inputs = nn.Parameter(torch.empty(e, 2 if part == "gate_up_proj" else 1, dtype=torch.float32),
+                                      requires_grad=False)
+                inputs.weight_loader = (lambda param, loaded, shard_id=None:
+                                        _load_expert_input_scale(experts, param, loaded, shard_id))
+                inputs.shard_ids = old.shard_ids
+                setattr(experts, f"{part}_input_scale", inputs)
 
     def _load_scale(self, experts: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         """One expert's projection's checkpoint scales as the experts keep them (then the weight's own loader)."""
@@ -236,6 +296,8 @@ class Fp8Experts:
             else:
                 weight, scale = getattr(experts, part).data, getattr(experts, f"{part}_{self.scale_name}").data
                 delattr(experts, f"{part}_{self.scale_name}")
+                if self.config.static_activations:
+                    delattr(experts, f"{part}_input_scale")
             if not weight.is_cuda:
                 weight = dequantize(weight, scale, self.group).to(self.dtype)
             new = nn.Parameter(weight, requires_grad=False)

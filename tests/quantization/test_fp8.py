@@ -14,7 +14,17 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from tests.quantization.checkpoints import CT_CONFIG, QWEN_CONFIG, edit_config, edit_tensors, make_fp8
+from tests.quantization.checkpoints import (
+    AUTOFP8_CONFIG,
+    CT_CONFIG,
+    QWEN_CONFIG,
+    STATIC,
+    STATIC_INPUTS,
+    ct_config,
+    edit_config,
+    edit_tensors,
+    make_fp8,
+)
 from tests.tiny_models import hf_greedy, make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -165,6 +175,91 @@ def _recorded(build, runner, mode):
         return build(runner)
 
 
+# ---- static activation scales -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=STATIC)
+def static_pair(request, base, tmp_path_factory) -> tuple[str, str]:
+    return make_fp8(base, tmp_path_factory.mktemp(f"fp8_{request.param}"), request.param,
+                    tmp_path_factory.mktemp(f"fp8_{request.param}_ref"))
+
+
+def test_static_activation_checkpoints_give_transformers_tokens(static_pair):
+    """AutoFP8's static format (per-tensor weight scales, 0-dim weight_scale and input_scale) and llm-compressor's
+    FP8 preset (compressed-tensors: weights per channel or per tensor, static per-tensor input activations, scales of
+    shape [1]) load: each input_scale read and checked, then dropped (CPU does not quantize activations), so the
+    tokens are transformers' on the dequantized weights."""
+    fp8, reference = static_pair
+    prompts = prompts_of(9, [3, 40, 17])
+    with LLM(fp8, kvcache_block_size=16, max_num_batched_tokens=64) as llm:
+        assert llm.config.quant.static_activations
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+def test_static_scales_under_tensor_parallelism(base, tmp_path):
+    """Each rank reads every (scalar) input scale whole: TP=2 loads the static checkpoint and gives the same
+    tokens."""
+    fp8, reference = make_fp8(base, tmp_path / "fp8", "autofp8", tmp_path / "reference")
+    prompt = prompts_of(10, [21])[0]
+    with LLM(fp8, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+@pytest.fixture(scope="module")
+def autofp8(base, tmp_path_factory) -> str:
+    return make_fp8(base, tmp_path_factory.mktemp("autofp8"), "autofp8", tmp_path_factory.mktemp("autofp8_ref"))[0]
+
+
+def test_missing_or_bad_input_scales_are_refused(autofp8, qwen_fp8, tmp_path):
+    """A quantized layer's input_scale missing (a packed part's or a plain layer's), not finite and positive, or not
+    one value: refused, naming the tensor. An input_scale in a checkpoint whose config quantizes activations
+    dynamically: refused, saying which configs read one."""
+    for name in ("model.layers.0.self_attn.k_proj.input_scale", "model.layers.1.self_attn.o_proj.input_scale"):
+        missing = _variant(autofp8, tmp_path / f"missing-{name}")
+        edit_tensors(missing, drop=(name,))
+        with pytest.raises(ValueError, match=f"lacks weights for: {re.escape(name)}"):
+            LLM(missing)
+    name = "model.layers.1.mlp.up_proj.input_scale"
+    for value in (float("nan"), float("inf"), 0.0, -0.5):
+        bad = _variant(autofp8, tmp_path / f"bad-{value}")
+        edit_tensors(bad, replace={name: torch.tensor(value)})
+        with pytest.raises(ValueError, match=rf"'{name}': input scale {value} is not a finite positive number"):
+            LLM(bad)
+    wide = _variant(autofp8, tmp_path / "wide")
+    edit_tensors(wide, replace={name: torch.full((4,), 0.01)})
+    with pytest.raises(ValueError, match=rf"'{name}': input scale of shape \(4,\): a static activation scale is one "
+                                         "value per tensor"):
+        LLM(wide)
+    dynamic = _variant(qwen_fp8, tmp_path / "dynamic")
+    edit_tensors(dynamic, replace={"model.layers.0.self_attn.q_proj.input_scale": torch.tensor(0.01)})
+    with pytest.raises(ValueError, match=r"q_proj.input_scale' matches no parameter .*: a static activation scale, "
+                                         r"which only a layer that quantization_config quantizes with static "
+                                         r"activations reads \(quant_method 'fp8' with activation_scheme 'static'"):
+        LLM(dynamic)
+
+
+def test_moe_experts_with_static_input_scales(tmp_path):
+    """Qwen3-MoE in AutoFP8's static format: every expert's projections carry an input_scale, read per expert and
+    checked (the fused MoE kernel takes 16-bit activations, so they are not used): transformers' tokens on the
+    dequantized weights; an expert's scale missing, or negative, refused, named."""
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden=256,
+                          head_dim=64, moe_intermediate_size=192, decoder_sparse_step=1, seed=5)
+    fp8, reference = make_fp8(moe, tmp_path / "fp8", "autofp8", tmp_path / "reference")
+    prompts = prompts_of(11, [4, 33])
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out["token_ids"] for out in outs] == [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    missing = "model.layers.1.mlp.experts.2.up_proj.input_scale"
+    edit_tensors(fp8, drop=(missing,))
+    with pytest.raises(ValueError, match=f"lacks weights for: {re.escape(missing)}"):
+        LLM(fp8)
+    bad = "model.layers.0.mlp.experts.1.down_proj.input_scale"
+    edit_tensors(fp8, replace={missing: torch.tensor(0.01), bad: torch.tensor(-1.0)})
+    with pytest.raises(ValueError, match=rf"'{bad}': input scale -1.0 is not a finite positive number"):
+        LLM(fp8)
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -213,7 +308,18 @@ QUIP = {"config_groups": {
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({**QWEN_CONFIG, "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
-    ({**QWEN_CONFIG, "activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
+    ({**QWEN_CONFIG, "activation_scheme": "static"}, r"activation_scheme 'static' with weight_block_size \[128, 128\] "
+                                                     "is not supported"),
+    ({**AUTOFP8_CONFIG, "activation_scheme": "per_tensor"}, "activation_scheme 'per_tensor' is not supported"),
+    # static input scales other than one per tensor, symmetric, fp8; or with block-scaled weights
+    (ct_config({**STATIC_INPUTS, "strategy": "channel"}), "static input activation scales with strategy 'channel' "
+                                                          "are not supported"),
+    (ct_config({**STATIC_INPUTS, "strategy": "group", "group_size": 128}), "with strategy 'group' are not supported"),
+    (ct_config({**STATIC_INPUTS, "strategy": "token"}), "with strategy 'token' are not supported"),
+    (ct_config({**STATIC_INPUTS, "symmetric": False}), "asymmetric static input activation scales"),
+    (ct_config({**STATIC_INPUTS, "type": "int"}), "input activations of 8 bits, type 'int' are not supported"),
+    (ct_config(strategy="block", block_structure=[128, 128]), "static input activation scales with block-scaled "
+                                                              "weights are not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\] is not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 16]}, "the columns' at least 32"),
     ({**QWEN_CONFIG, "kv_cache_scheme": "static"}, r"kv_cache_scheme 'static' \(static KV-cache scales\) is not "
@@ -234,7 +340,8 @@ def test_unsupported_formats_are_refused(qwen_fp8, tmp_path, config, message):
 
 def test_what_the_configs_say_about_activations():
     """Dynamic fp8 activations where the format has them; none for a weight-only compressed-tensors checkpoint
-    (its activations stay 16-bit against the fp8 weights on CUDA)."""
+    (its activations stay 16-bit against the fp8 weights on CUDA); static ones for AutoFP8's activation_scheme
+    'static' and compressed-tensors' static per-tensor input activations, with either weight strategy."""
     from types import SimpleNamespace
 
     from nanovllm.quantization import quant_config
@@ -248,6 +355,13 @@ def test_what_the_configs_say_about_activations():
     assert quant_config(SimpleNamespace(quantization_config=capitalised), None).activations
     online = quant_config(SimpleNamespace(), "fp8")
     assert online.online and online.activations and online.block == (1, None)
+    assert not online.static_activations
+    for dynamic in (CT_CONFIG, weight_only, QWEN_CONFIG):
+        assert not quant_config(SimpleNamespace(quantization_config=dynamic), None).static_activations
+    for static in (AUTOFP8_CONFIG, {**AUTOFP8_CONFIG, "activation_scheme": "Static"}, ct_config(strategy="channel"),
+                   ct_config(strategy="tensor")):
+        config = quant_config(SimpleNamespace(quantization_config=static), None)
+        assert config.activations and config.static_activations and config.block == (1, None)
 
 
 def test_bad_quantization_options(base, qwen_fp8, tmp_path):

@@ -296,6 +296,46 @@ def test_engine_on_fp8_weights(arch, fmt, tmp_path):
     assert sum(first) >= 2 and agree >= 10
 
 
+@pytest.mark.parametrize("arch,fmt", [("qwen3", "autofp8"), ("qwen3", "ct-static-channel"),
+                                      ("qwen3", "ct-static-tensor"), ("qwen3_moe", "autofp8")])
+def test_engine_on_static_activation_scales(arch, fmt, tmp_path):
+    """Greedy tokens in bf16 on CUDA: a checkpoint with static activation scales (calibrated:
+    tests/quantization/checkpoints.py's input_scales) against the same weights dequantized. Each packed layer keeps
+    the largest of its parts' scales (v_proj's, up_proj's). 20 prompts, so that decode's batches (20 rows, past the
+    small-batch kernels' 16) quantize with the static scale inside CUDA graphs; prefill does so eagerly. qwen3_moe:
+    the experts' scales are read and unused (16-bit activations). The margin: on CPU, transformers in float32 with
+    the same static activation rounding (each layer's max scale, q/k/v, o, gate/up and down) agrees with the
+    unrounded run on 15-17 of the 20 first tokens and 73-78 of these 320 tokens across the four checkpoints
+    (per-token rounding: 57-90); a broken path would agree by chance (1 in 400)."""
+    from safetensors.torch import load_file
+    moe = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1)}
+    base = make_checkpoint(tmp_path / "base", arch, tie=True, num_kv_heads=2, num_heads=4, head_dim=64,
+                           hidden=256, intermediate_size=512, seed=3, **moe.get(arch, {}))
+    fp8, reference = make_fp8(base, tmp_path / "fp8", fmt, tmp_path / "reference")
+    stored = load_file(f"{fp8}/model.safetensors")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(400) for _ in range(rng.randrange(3, 200))] for _ in range(20)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for path in (fp8, reference):
+        with LLM(path, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=512,
+                 max_model_len=512) as llm:
+            if path == fp8:
+                layer = llm.executor.runner.model.model.layers[1]
+                packed = [(layer.self_attn.qkv_proj, "self_attn", ("q_proj", "k_proj", "v_proj"))]
+                if arch == "qwen3":
+                    packed.append((layer.mlp.gate_up_proj, "mlp", ("gate_proj", "up_proj")))
+                for linear, parent, parts in packed:
+                    scales = [stored[f"model.layers.1.{parent}.{part}.input_scale"].item() for part in parts]
+                    assert scales[-1] == max(scales) > min(scales)  # (checkpoints.py's SPREAD: the max is seen)
+                    assert linear.quant.input_scale.item() == pytest.approx(max(scales), rel=1e-6)
+            runs.append([o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)])
+    first = sum(a[0] == b[0] for a, b in zip(*runs))
+    agree = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b))
+    print(f"{arch} {fmt}: first tokens equal {first}/20, tokens equal {agree}/320")
+    assert first >= 10 and agree >= 40
+
+
 def test_engine_on_mixtral_fp8_experts(tmp_path):
     """Mixtral's experts in fp8 on CUDA (compressed-tensors, per channel, named block_sparse_moe.experts.<e>.w1/w2/w3;
     the fused MoE kernel reads them against 16-bit activations) against the same weights dequantized, both in bf16.
