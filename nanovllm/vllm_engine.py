@@ -93,7 +93,9 @@ class LLMEngine:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already running; ids must be unique among "
                                  "unfinished requests")
-            first = self.llm.add_request(prompt, params, lora_request, stream=True)
+            # (text as tokens arrive, for outputs before the end; a FINAL_ONLY request's is decoded once, at the end)
+            first = self.llm.add_request(prompt, params, lora_request,
+                                         stream=params.output_kind != RequestOutputKind.FINAL_ONLY)
             samples = [first, *first.forks]
             for seq in samples:
                 seq.request_id = request_id
