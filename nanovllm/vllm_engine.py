@@ -11,7 +11,7 @@ It is a view of one LLM (`llm.llm_engine`); nanovllm's own step API (LLM.add_req
 is the engine underneath. Use one or the other on an LLM at a time."""
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanovllm.engine.detokenizer import stop_holdback
@@ -37,7 +37,14 @@ class _Request:
     cumulative: list[float]
     prompt_logprobs: object = None
     prompt_returned: bool = False
-    progressed: set[int] = field(default_factory=set)  # samples with a token not yet returned (FINAL_ONLY)
+
+
+def _num_settled(seq: Sequence) -> int:
+    """Completion tokens read back (async scheduling holds a place for each token still on the device)."""
+    n = seq.num_tokens
+    while n > seq.num_prompt_tokens and seq.token_ids[n - 1] == PENDING_TOKEN:
+        n -= 1
+    return n - seq.num_prompt_tokens
 
 
 class LLMEngine:
@@ -122,26 +129,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the outputs of the requests it advanced (in the order they were added). An empty list
         does not mean the work is done: ask has_unfinished_requests(). An error leaves the requests queued (the
-        step runs again at the next call), as the engine's own step does."""
+        step runs again at the next call), as the engine's own step does; tokens it applied before raising are
+        returned by the next call."""
         with self._lock:
-            updated, _ = self.llm.step()
-            touched: dict[str, None] = {}
-            for seq in updated:
-                request = self._requests.get(seq.request_id)
-                if request is not None and seq in request.samples:  # (not a request of nanovllm's own step API)
-                    request.progressed.add(seq.sample_index)
-                    touched[seq.request_id] = None
+            self.llm.step()
+            # What each request gained is read from its samples, not from the sequences llm.step() returns: a step
+            # that raised after applying some tokens (async scheduling: the launch after a step it settled) returned
+            # none, and a request it finished would never be returned (has_unfinished_requests() True for good).
             outputs = []
-            for rid in [rid for rid in self._requests if rid in touched]:  # (in the order they were added)
-                request = self._requests[rid]
+            for rid, request in list(self._requests.items()):  # (in the order they were added)
+                advanced = [seq for seq in request.samples if _num_settled(seq) > request.tokens[seq.sample_index]]
                 finished = all(seq.is_finished for seq in request.samples)
+                if not advanced and not finished:
+                    continue
                 if finished:
                     del self._requests[rid]
                 if request.kind != RequestOutputKind.FINAL_ONLY or finished:
-                    outputs.append(self._output(rid, request, finished))
+                    outputs.append(self._output(rid, request, advanced, finished))
             return outputs
 
-    def _output(self, request_id: str, request: _Request, finished: bool) -> RequestOutput:
+    def _output(self, request_id: str, request: _Request, advanced: list[Sequence], finished: bool) -> RequestOutput:
         llm, first = self.llm, request.samples[0]
         sp = first.sampling_params
         delta = request.kind == RequestOutputKind.DELTA
@@ -149,8 +156,7 @@ class LLMEngine:
             request.prompt_logprobs = llm._logprobs(first.prompt_logprobs, sp.detokenize)
         prompt_logprobs = None if delta and request.prompt_returned else request.prompt_logprobs
         request.prompt_returned = True
-        samples = [request.samples[i] for i in sorted(request.progressed)] if delta else request.samples
-        request.progressed.clear()
+        samples = advanced if delta else request.samples
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, prompt_logprobs,
                              [self._sample(request, seq, delta) for seq in samples], finished,
                              max(first.num_prefix_hit_tokens, 0), lora_request=first.lora_request)
@@ -158,9 +164,7 @@ class LLMEngine:
     def _sample(self, request: _Request, seq: Sequence, delta: bool) -> CompletionOutput:
         """One sample's CompletionOutput: all of it so far, or (delta) what it gained since it was last returned."""
         i, sp = seq.sample_index, seq.sampling_params
-        tokens = seq.completion_token_ids
-        while tokens and tokens[-1] == PENDING_TOKEN:  # (async scheduling: a token still on the device)
-            tokens = tokens[:-1]
+        tokens = seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + _num_settled(seq)]
         start, request.tokens[i] = request.tokens[i], len(tokens)
         text = self.llm._text(seq)
         end = len(text) if seq.is_finished else len(text) - stop_holdback(text, sp.stop_strings)

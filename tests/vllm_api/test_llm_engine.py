@@ -4,6 +4,7 @@ equals what generate() gives for the same request, whatever the kind, the order 
 beside them."""
 import argparse
 import threading
+from unittest import mock
 
 import pytest
 
@@ -148,6 +149,46 @@ def test_abort_frees_a_request_and_leaves_the_others_exact(llm):
     assert outputs["keep"].outputs[0].token_ids == llm.generate([[1, 2, 3, 4]], long, use_tqdm=False)[0]["token_ids"]
     engine.step()  # (a step still in flight settles)
     assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY], ids=lambda k: k.name)
+def test_a_request_finished_by_a_step_that_raised_is_still_returned(llm, kind):
+    """Async scheduling settles step N before sampling N+1 when N+1 has bad words; should sampling then raise, step()
+    raises, and the tokens N applied (here the last of "short") are returned by the next step, not lost."""
+    if not llm.config.async_scheduling:
+        pytest.skip("the plain loop applies tokens only in a step that returns")
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["zzz"], output_kind=kind)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, output_kind=kind)
+    engine.add_request("long", [1, 2, 3], long)
+    engine.add_request("short", [4, 5, 6], short)
+    short_seq, sample = llm.scheduler.waiting[-1], llm.executor.sample
+
+    def sample_failing_once(step):
+        if short_seq.is_finished and not failed:
+            failed.append(True)
+            raise KeyboardInterrupt
+        return sample(step)
+
+    failed, outputs = [], {}
+    with mock.patch.object(llm.executor, "sample", side_effect=sample_failing_once):
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            try:
+                for out in engine.step():
+                    outputs.setdefault(out.request_id, []).append(out)
+            except KeyboardInterrupt:
+                pass
+    assert failed and not engine.has_unfinished_requests()
+    for rid, params in (("long", long), ("short", short)):
+        outs, want = outputs[rid], llm.generate([[1, 2, 3] if rid == "long" else [4, 5, 6]], params,
+                                                use_tqdm=False)[0].outputs[0]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        pieces = [o.outputs[0] for o in outs] if kind == DELTA else [outs[-1].outputs[0]]
+        assert [t for c in pieces for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in pieces) == want.text
+    assert llm.is_finished()
 
 
 def test_refusals_leave_nothing_queued(llm):
