@@ -116,8 +116,10 @@ class LLMEngine:
         again."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         with self._lock:
-            seqs = [seq for rid in ids if rid in self._requests for seq in self._requests.pop(rid).samples]
-            self.llm.abort_sequences(seqs)
+            ids = [rid for rid in dict.fromkeys(ids) if rid in self._requests]
+            self.llm.abort_sequences([seq for rid in ids for seq in self._requests[rid].samples])
+            for rid in ids:  # (only now: an abort refused, Busy while another call holds the LLM, keeps them)
+                del self._requests[rid]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

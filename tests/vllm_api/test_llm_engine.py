@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.engine.call_guard import Busy
 from nanovllm.sampling_params import RequestOutputKind
 from tests.compare import assert_logprobs_close
 from tests.tiny_models import make_checkpoint
@@ -189,6 +190,21 @@ def test_a_request_finished_by_a_step_that_raised_is_still_returned(llm, kind):
         assert [t for c in pieces for t in c.token_ids] == want.token_ids
         assert "".join(c.text for c in pieces) == want.text
     assert llm.is_finished()
+
+
+def test_a_refused_abort_keeps_the_request(llm):
+    """abort_request refused (Busy: another call holds the LLM) leaves the request running and known, so a later
+    abort frees it; a view that forgot it would leave its sequences running unseen."""
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.step()
+    with llm._exclusive("generate"), pytest.raises(Busy):  # (as a generate() in another thread would)
+        engine.abort_request(["a", "a"])
+    assert engine.get_num_unfinished_requests() == 1
+    engine.abort_request(["a", "a"])
+    engine.step()  # (a step still in flight settles)
+    assert not engine.has_unfinished_requests() and llm.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
 
 
 def test_refusals_leave_nothing_queued(llm):
