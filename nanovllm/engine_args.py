@@ -12,9 +12,10 @@ from nanovllm.vllm_options import ALIASES
 
 class EngineArgs:
     """vLLM's EngineArgs: the model and LLM(...)'s options (nanovllm's, and vLLM's names it takes: docs/usage.md,
-    docs/vllm_compat.md), checked when LLMEngine.from_engine_args makes the engine."""
+    docs/vllm_compat.md), checked when LLMEngine.from_engine_args makes the engine. No model: LLM()'s, the bundled
+    SmolLM2-135M."""
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str | None = None, **options):
         self.model = model
         self.options = options
         for name, value in options.items():
@@ -35,8 +36,11 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """--model and one --flag per option (nanovllm's Config fields, and vLLM's --block-size and
-        --num-gpu-blocks-override); an option left out of the command line keeps LLM's default."""
-        parser.add_argument("--model", required=True, help="a local checkpoint directory (or .gguf file)")
+        --num-gpu-blocks-override); an option left out of the command line keeps LLM's default. --model may be left
+        out too, or set with parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled
+        SmolLM2-135M)."""
+        parser.add_argument("--model", help="a local checkpoint directory (or .gguf file); default: the bundled "
+                            "SmolLM2-135M")
         for name, kind in _cli_options().items():
             flag = "--" + name.replace("_", "-")
             if kind is bool:

@@ -292,9 +292,18 @@ def test_engine_args_from_a_command_line(model):
         assert len(got) == 3 and len({tuple(o[0].outputs[0].token_ids) for o in got.values()}) == 1
     finally:
         engine.llm.exit()
-    with pytest.raises(SystemExit):  # (argparse's own error: a bad value or a missing --model)
+    with pytest.raises(SystemExit):  # (argparse's own error for a bad value)
         EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-model-len", "x"])
     with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported"):
         LLMEngine.from_engine_args(EngineArgs(model, data_parallel_size=2))
     with pytest.raises(TypeError, match="unknown option"):
         LLMEngine.from_engine_args(EngineArgs(model, no_such_option=1))
+
+
+def test_engine_args_model_from_set_defaults(model):
+    """--model may come from parser.set_defaults, as vLLM's examples set it (argparse's check of a required flag
+    ignores defaults)."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parser.set_defaults(model=model)
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "256"]))
+    assert (engine_args.model, engine_args.options) == (model, {"max_model_len": 256})
