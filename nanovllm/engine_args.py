@@ -7,7 +7,16 @@ from dataclasses import fields
 
 from nanovllm.config import Config
 from nanovllm.llm import LLM
-from nanovllm.vllm_options import ALIASES
+from nanovllm.vllm_options import ALIASES, DEFAULT_ONLY, NO_EFFECT
+
+# vLLM's options that LLM(...) takes by name and are no Config field (vllm_options.py), as vLLM's command line types
+# them where their default does not say: a vLLM script's --trust-remote-code, --disable-log-stats or --tokenizer
+# parses, and LLM(...) then ignores, maps or refuses each as it does in code
+_VLLM_TYPES = {"trust_remote_code": bool, "disable_custom_all_reduce": bool, "enable_sleep_mode": bool,
+               "disable_log_stats": bool, "use_tqdm_on_load": bool, "disable_cascade_attn": bool,
+               "enable_chunked_prefill": bool, "disable_async_output_proc": bool, "max_logprobs": int,
+               "max_parallel_loading_workers": int, "max_seq_len_to_capture": int, "swap_space": float,
+               "cpu_offload_gb": float, "tokenizer": str}
 
 
 class EngineArgs:
@@ -35,10 +44,10 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """--model and one --flag per option (nanovllm's Config fields, and vLLM's --block-size and
-        --num-gpu-blocks-override); an option left out of the command line keeps LLM's default. --model may be left
-        out too, or set with parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled
-        SmolLM2-135M)."""
+        """--model and one --flag per option (nanovllm's Config fields, and vLLM's names LLM(...) takes:
+        --block-size, --num-gpu-blocks-override, --trust-remote-code, ...); an option left out of the command line
+        keeps LLM's default. --model may be left out too, or set with parser.set_defaults(model=...) as vLLM's
+        examples do (LLM's default: the bundled SmolLM2-135M)."""
         parser.add_argument("--model", help="a local checkpoint directory (or .gguf file); default: the bundled "
                             "SmolLM2-135M")
         for name, kind in _cli_options().items():
@@ -65,4 +74,7 @@ def _cli_options() -> dict[str, type]:
                 f.type, types.UnionType) else [f.type]
             options[f.name] = kinds[0] if len(kinds) == 1 and kinds[0] in (int, float, bool) else str
     options.update({vllm: options[ours] for vllm, ours in ALIASES.items()})
+    for name in (*DEFAULT_ONLY, *NO_EFFECT, *_VLLM_TYPES):
+        default = DEFAULT_ONLY.get(name, (None,))[0]
+        options[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
     return options

@@ -307,3 +307,19 @@ def test_engine_args_model_from_set_defaults(model):
     parser.set_defaults(model=model)
     engine_args = EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "256"]))
     assert (engine_args.model, engine_args.options) == (model, {"max_model_len": 256})
+
+
+def test_engine_args_take_vllm_flags(model):
+    """A vLLM script's flags parse, and LLM(...) then ignores, maps or refuses each by name, as in code."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", model, "--trust-remote-code", "--disable-log-stats", "--tokenizer", model,
+                              "--enable-chunked-prefill", "--swap-space", "4", "--max-logprobs", "5", "--task", "auto",
+                              "--max-model-len", "256", "--block-size", "16", "--num-gpu-blocks-override", "16"])
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        assert (engine.llm.config.model, engine.llm.config.max_model_len) == (model, 256)
+    finally:
+        engine.llm.exit()
+    args = parser.parse_args(["--model", model, "--pipeline-parallel-size", "2", "--enable-expert-parallel"])
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
