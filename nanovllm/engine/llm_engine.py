@@ -454,11 +454,14 @@ class LLMEngine:
 
     def abort_sequences(self, seqs: list[Sequence]) -> None:
         """Finish these sequences now (finish_reason "abort"), freeing their KV blocks; a step in flight that holds
-        them leaves them as they are (finished sequences take no tokens)."""
+        them leaves them as they are (finished sequences take no tokens). With nothing left queued the engine is idle
+        at once (sleep, update_weights and reset_prefix_cache take it)."""
         with self._exclusive("abort_request"):
             for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
+            if self.scheduler.is_finished():  # (async scheduling: a step in flight holds only finished sequences,
+                self._pending = self._unsettled = None  # whose freed blocks alone it writes, as _run leaves one)
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:

@@ -207,6 +207,25 @@ def test_a_refused_abort_keeps_the_request(llm):
     assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
 
 
+def test_aborting_every_request_leaves_the_engine_idle(llm):
+    """Under async scheduling a step is still in flight when the last request is aborted: the LLM is idle at once
+    all the same (has_unfinished_requests() says so), so the calls that need it idle (sleep, update_weights,
+    reset_prefix_cache) run, and the next request is exact."""
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [3, 2, 1], SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests() and llm.is_finished() and engine.reset_prefix_cache()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    engine.add_request("c", [1, 2, 3], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
+
+
 def test_refusals_leave_nothing_queued(llm):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=3)
