@@ -460,8 +460,7 @@ class LLMEngine:
             for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
-            if self.scheduler.is_finished():  # (async scheduling: a step in flight holds only finished sequences,
-                self._pending = self._unsettled = None  # whose freed blocks alone it writes, as _run leaves one)
+            self._drop_useless_step()
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
@@ -535,7 +534,15 @@ class LLMEngine:
                 seq.append_token(PENDING_TOKEN)
         if pending is not None and settled is None:
             settled = self._settle(pending)
+        self._drop_useless_step()  # (settling N may have ended the last sequence N+1 computes)
         return settled or [], _num_tokens(batch)
+
+    def _drop_useless_step(self):
+        """Async scheduling: with no sequence queued, the step in flight computes only finished ones (ended by a
+        stop, or aborted, after it was launched), writing only their freed blocks: it is dropped, as _run drops one,
+        so the engine is idle at once (is_finished(); sleep, update_weights and reset_prefix_cache take it)."""
+        if self.scheduler.is_finished():
+            self._pending = self._unsettled = None
 
     def _settle(self, step=None) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them."""

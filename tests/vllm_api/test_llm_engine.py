@@ -226,6 +226,23 @@ def test_aborting_every_request_leaves_the_engine_idle(llm):
     assert outs[-1].outputs[0].token_ids == llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
 
 
+def test_a_request_ended_by_a_stop_leaves_the_engine_idle(llm):
+    """Under async scheduling the step after a stop token was launched before the stop was seen: once the last
+    request is returned the LLM is idle all the same, so sleep, update_weights and reset_prefix_cache run (an RL
+    loop's weight sync after its last step)."""
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    stop = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"][6]
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].outputs[0].stop_reason == stop
+    assert llm.is_finished() and engine.reset_prefix_cache()
+    seq = llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))
+    while not seq.is_finished:  # (nanovllm's own step API)
+        llm.step()
+    assert llm.is_finished()
+
+
 def test_refusals_leave_nothing_queued(llm):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=3)
