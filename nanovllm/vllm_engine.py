@@ -106,9 +106,9 @@ class LLMEngine:
             samples = [first, *first.forks]
             for seq in samples:
                 seq.request_id = request_id
-            n = len(samples)
-            empty = FlatLogprobs if params.flat_logprobs else list
-            self._requests[request_id] = _Request(samples, params.output_kind, [0] * n, [0] * n,
+            n, checked = len(samples), first.sampling_params  # (its fields set after construction, normalized)
+            empty = FlatLogprobs if checked.flat_logprobs else list
+            self._requests[request_id] = _Request(samples, checked.output_kind, [0] * n, [0] * n,
                                                   [empty() for _ in range(n)], [0.0] * n)
 
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

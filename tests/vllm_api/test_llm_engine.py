@@ -3,6 +3,7 @@ RequestOutputs by SamplingParams.output_kind, abort_request, EngineArgs from a c
 equals what generate() gives for the same request, whatever the kind, the order requests arrive in, or aborts
 beside them."""
 import argparse
+import enum
 import threading
 from unittest import mock
 
@@ -241,6 +242,23 @@ def test_a_request_ended_by_a_stop_leaves_the_engine_idle(llm):
     while not seq.is_finished:  # (nanovllm's own step API)
         llm.step()
     assert llm.is_finished()
+
+
+def test_output_kind_set_after_construction(llm):
+    """output_kind set on a SamplingParams after it was made (by name, or vLLM's own enum, a plain Enum) is read as
+    the request checks it, not as the object holds it."""
+    class VllmKind(enum.Enum):  # (vllm.sampling_params.RequestOutputKind)
+        CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
+
+    engine = llm.llm_engine
+    for kind, want in (("DELTA", [1, 1, 1]), (VllmKind.DELTA, [1, 1, 1]), (VllmKind.FINAL_ONLY, [3])):
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        params.output_kind = kind
+        engine.add_request("a", [1, 2, 3], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [len(o.outputs[0].token_ids) for o in outs] == want
 
 
 def test_refusals_leave_nothing_queued(llm):
