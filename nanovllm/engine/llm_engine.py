@@ -490,7 +490,9 @@ class LLMEngine:
 
     def _step_once(self) -> tuple[list[Sequence], int]:
         if self.config.async_scheduling:
-            return self._step_async()
+            step = self._step_async()
+            self._drop_useless_step()  # (settling a step may have ended the last sequence the next one computes)
+            return step
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise _nothing_to_schedule()
@@ -534,7 +536,6 @@ class LLMEngine:
                 seq.append_token(PENDING_TOKEN)
         if pending is not None and settled is None:
             settled = self._settle(pending)
-        self._drop_useless_step()  # (settling N may have ended the last sequence N+1 computes)
         return settled or [], _num_tokens(batch)
 
     def _drop_useless_step(self):

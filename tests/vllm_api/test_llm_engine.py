@@ -60,6 +60,18 @@ def _fields(c) -> tuple:
             None if c.logprobs is None else list(c.logprobs))
 
 
+def _failing_once(fn, at: int):
+    """fn, but its `at`-th call raises KeyboardInterrupt (a Ctrl-C there)."""
+    calls = []
+
+    def call(*args):
+        calls.append(args)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return fn(*args)
+    return call
+
+
 def _run(engine: LLMEngine, requests, kind) -> dict[str, list]:
     """vLLM's llm_engine_example loop (one request added a step): every RequestOutput each request gets."""
     got: dict[str, list] = {}
@@ -242,6 +254,15 @@ def test_a_request_ended_by_a_stop_leaves_the_engine_idle(llm):
     while not seq.is_finished:  # (nanovllm's own step API)
         llm.step()
     assert llm.is_finished()
+    for fail_at in range(1, 9):  # a settle interrupted (KeyboardInterrupt), its step settled by the next call
+        engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))
+        with mock.patch.object(llm.executor, "settle", side_effect=_failing_once(llm.executor.settle, fail_at)):
+            while engine.has_unfinished_requests():
+                try:
+                    engine.step()
+                except KeyboardInterrupt:
+                    pass
+        assert llm.is_finished(), fail_at
 
 
 def test_output_kind_set_after_construction(llm):
