@@ -6,6 +6,8 @@ import torch
 
 from nanovllm.sampling_params import check_seed
 
+logger = logging.getLogger("nanovllm")
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float": torch.float32, "half": torch.float16}  # (vLLM's aliases)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -181,6 +183,12 @@ class Config:
                 dt = _DTYPES.get(dt)
             self.torch_dtype = dt if dt in _DTYPES.values() else torch.bfloat16
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        if self.quant is not None and self.quant.kv_scales:
+            logger.info("the checkpoint's static KV-cache scales (its kv_cache_scheme) are checked and not used: %s",
+                        "the fp8 KV cache scales each token and head as it is written, which needs no calibrated "
+                        "scale" if KV_CACHE_DTYPES[self.kv_cache_dtype] else
+                        f"the KV cache is {str(self.kv_cache_torch_dtype).removeprefix('torch.')} "
+                        "(kv_cache_dtype='auto'; kv_cache_dtype='fp8' scales each token and head itself)")
 
     def _check_lora(self):
         if self.max_loras < 1:

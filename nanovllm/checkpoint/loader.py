@@ -262,21 +262,38 @@ _SCALE_HINTS = {
                    "activations reads (quant_method 'fp8' with activation_scheme 'static', or compressed-tensors' "
                    "input_activations with dynamic false and strategy 'tensor'); this config's activations are "
                    "dynamic or 16-bit, or its ignore list names this module",
-    **dict.fromkeys(("k_scale", "v_scale", "output_scale"), ": a static KV-cache scale (a kv_cache_scheme), which "
-                    "nanovllm does not read; kv_cache_dtype='fp8' scales each token's keys and values itself"),
+    **dict.fromkeys(("k_scale", "v_scale", "q_scale", "prob_scale", "output_scale", "prob_output_scale"),
+                    ": a static KV-cache scale, which nanovllm reads (checks and does not use) only on the attention "
+                    "(self_attn.k_scale, k_proj.output_scale, ...) and where quantization_config has a kv_cache_scheme "
+                    "(compressed-tensors' static per-tensor fp8, or AutoFP8's 'static'); kv_cache_dtype='fp8' scales "
+                    "each token's keys and values itself"),
 }
+
+
+def _checked_only(name: str, checks: dict):
+    """The check of a tensor the model reads only to check (`checked_weights`: a checkpoint name suffix, whole dotted
+    segments, -> its check), or None."""
+    segments = name.split(".")
+    for suffix, check in checks.items():
+        path = suffix.split(".")
+        if segments[-len(path):] == path:
+            return check
+    return None
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
                        require_all: bool = True):
-    """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too).
-    require_all: every parameter, and every shard of a packed one, must be loaded (a checkpoint); otherwise any
-    subset may be (a weight update). `source` names the weights' origin, for errors."""
+    """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too), or to
+    the model's check for a tensor it reads only to check (`checked_weights`: a static KV-cache scale; ValueError
+    naming a bad one), after which it is dropped. require_all: every parameter, and every shard of a packed one, must
+    be loaded (a checkpoint); otherwise any subset may be (a weight update). `source` names the weights' origin, for
+    errors."""
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_weights_mapping", {})
     aliases = getattr(model, "module_aliases", {})
     params = dict(model.named_parameters())
     skip = set(getattr(model, "skip_weights", ()))
+    checks = getattr(model, "checked_weights", {})
     loaded = set()  # parameter names, and (parameter name, shard id) for packed ones
     spellings: dict[str, tuple[str, set[str]]] = {}  # stacked experts -> (the checkpoint's path, projection names)
     for name, tensor in weights:
@@ -284,6 +301,13 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             raise TypeError(f"weights must be (name, tensor) pairs with a str name, got ({name!r:.60}, "
                             f"{type(tensor).__name__})")
         if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
+            continue
+        check = _checked_only(name, checks) if checks else None
+        if check is not None:  # (per-tensor scalars: every rank checks the whole tensor)
+            try:
+                check(tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             continue
         ours = ".".join(aliases.get(segment, segment) for segment in name.split(".")) if aliases else name
         routed = route_expert_weight(ours, experts)

@@ -16,7 +16,9 @@ class QuantConfig:
     per token (per-channel weights) or per token and group of `block[1]` columns (block-scaled weights), unless
     `activations` is False (a weight-only checkpoint). static_activations: activations are quantized with one fixed
     scale per layer instead, the checkpoint's `input_scale` (per-channel weights only). online: the checkpoint holds
-    16/32-bit weights, quantized at load. ignore: module names left unquantized."""
+    16/32-bit weights, quantized at load. ignore: module names left unquantized. kv_scales: the checkpoint carries
+    static per-tensor KV-cache scales (a kv_cache_scheme), which the loader reads, checks and does not use (an fp8
+    KV cache scales each token and head itself)."""
 
     method: str  # "fp8" or "compressed-tensors" (how the checkpoint names it)
     block: tuple[int, int | None] = (1, None)
@@ -26,6 +28,7 @@ class QuantConfig:
     activations: bool = True  # fp8 activations (False: 16-bit activations against fp8 weights)
     static_activations: bool = False  # (with activations) one checkpoint scale per layer (input_scale), not per token
     transformers_ignore: tuple[str, ...] = field(default=())  # modules_to_not_convert, also read as transformers does
+    kv_scales: bool = False  # static KV-cache scales in the checkpoint (checked at load, not used)
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear layer `module_name` (a checkpoint module path) is quantized."""
@@ -121,15 +124,18 @@ def _fp8(spec: dict) -> QuantConfig:
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"{where}: activation_scheme {spec['activation_scheme']!r} is not supported; 'dynamic' or "
                          "'static'")
-    if spec.get("kv_cache_scheme"):  # (AutoFP8's "static": k/v_proj.output_scale tensors no layer here reads)
-        raise ValueError(f"{where}: kv_cache_scheme {spec['kv_cache_scheme']!r} (static KV-cache scales) is not "
-                         "supported; use kv_cache_dtype='fp8' for an 8-bit cache")
+    kv = spec.get("kv_cache_scheme")
+    if kv and str(kv).lower() != "static":  # (AutoFP8's "static": k/v_proj.output_scale tensors)
+        raise ValueError(f"{where}: kv_cache_scheme {kv!r} is not supported; only 'static' (AutoFP8's per-tensor "
+                         "KV-cache scales, which nanovllm checks and does not use: kv_cache_dtype='fp8' scales each "
+                         "token and head itself)")
     block = spec.get("weight_block_size")
     ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
     hf_ignore = tuple(spec.get("modules_to_not_convert") or ())
     static = scheme == "static"  # (AutoFP8's: a scalar input_scale per linear)
     if block is None:  # a scale per tensor
-        return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore, static_activations=static)
+        return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore, static_activations=static,
+                           kv_scales=bool(kv))
     if static:  # (as vLLM: block-scaled weights quantize activations per token and group, on the fly)
         raise ValueError(f"{where}: activation_scheme 'static' with weight_block_size {block!r} is not supported; "
                          "static activation scales go with per-tensor weight scales (no weight_block_size)")
@@ -137,7 +143,7 @@ def _fp8(spec: dict) -> QuantConfig:
         raise ValueError(f"{where}: weight_block_size {block!r} is not supported; two powers of two, the columns' at "
                          "least 32 ([128, 128] in Qwen's FP8 checkpoints)")
     return QuantConfig("fp8", block=(block[0], block[1]), scale_name="weight_scale_inv", ignore=ignore,
-                       transformers_ignore=hf_ignore)
+                       transformers_ignore=hf_ignore, kv_scales=bool(kv))
 
 
 def _block_ok(block) -> bool:
@@ -153,8 +159,7 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"{where}: format {fmt!r} is not supported; only 'float-quantized' or 'naive-quantized' "
                          "(fp8 weights)")
-    if spec.get("kv_cache_scheme"):
-        raise ValueError(f"{where}: kv_cache_scheme is not supported (use kv_cache_dtype='fp8' for an 8-bit cache)")
+    kv = _kv_cache_scheme(spec.get("kv_cache_scheme"), where)
     sparsity = spec.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":  # (weights stored as kept values and bitmasks: no `weight` tensor)
         raise ValueError(f"{where}: sparsity_config format {sparsity['format']!r} (compressed sparse weights) is not "
@@ -176,7 +181,8 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
     static = _static_inputs(inputs, where)
     ignore, activations = tuple(spec.get("ignore") or ()), inputs is not None
     if strategy in ("channel", "tensor"):
-        return QuantConfig("compressed-tensors", ignore=ignore, activations=activations, static_activations=static)
+        return QuantConfig("compressed-tensors", ignore=ignore, activations=activations, static_activations=static,
+                           kv_scales=kv)
     if strategy == "block":
         if static:
             raise ValueError(f"{where}: static input activation scales with block-scaled weights are not supported; "
@@ -185,7 +191,8 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
         if not _block_ok(block):
             raise ValueError(f"{where}: block_structure {block!r} is not supported; two powers of two, the columns' "
                              "at least 32")
-        return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore, activations=activations)
+        return QuantConfig("compressed-tensors", block=(block[0], block[1]), ignore=ignore, activations=activations,
+                           kv_scales=kv)
     raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; 'channel', 'tensor' or 'block'")
 
 
@@ -208,4 +215,30 @@ def _static_inputs(inputs: dict | None, where: str) -> bool:
     if not inputs.get("symmetric", True):
         raise ValueError(f"{where}: asymmetric static input activation scales (a zero point) are not supported; only "
                          "symmetric ones")
+    return True
+
+
+# the one compressed-tensors kv_cache_scheme read: fp8, one static symmetric scale per tensor (llm-compressor's
+# "-FP8-KV" checkpoints); an absent field takes compressed-tensors' default
+_KV_CACHE_SCHEME = {"num_bits": (8, 8), "type": ("float", "int"), "strategy": ("tensor", "tensor"),
+                    "dynamic": (False, False), "symmetric": (True, True)}  # field: (required, default)
+
+
+def _kv_cache_scheme(scheme, where: str) -> bool:
+    """Whether compressed-tensors' kv_cache_scheme gives the checkpoint static KV-cache scales (self_attn.k_scale,
+    v_scale): True for 8-bit float, per tensor, static and symmetric; False for none; ValueError naming what
+    differs for any other (int8, per-head or per-channel scales, dynamic, asymmetric), which those scales would not
+    describe."""
+    if not scheme:
+        return False
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{where}: kv_cache_scheme {scheme!r} is not supported; compressed-tensors' kv_cache_scheme "
+                         "is a dict of quantization args")
+    differs = [f"{key} {scheme.get(key, default)!r}" for key, (required, default) in _KV_CACHE_SCHEME.items()
+               if scheme.get(key, default) != required]
+    if differs:
+        raise ValueError(f"{where}: kv_cache_scheme with {', '.join(differs)} is not supported; only static per-tensor "
+                         "fp8 KV-cache scales (num_bits 8, type 'float', strategy 'tensor', dynamic false, symmetric "
+                         "true), which nanovllm checks and does not use (kv_cache_dtype='fp8' scales each token and "
+                         "head itself)")
     return True

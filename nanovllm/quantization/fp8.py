@@ -21,7 +21,10 @@ activations; per-channel or per-tensor weights only): each quantized layer loads
 maximum (the packed modules share one input, so the largest scale clips none of them; as vLLM does). On CUDA the
 product quantizes x with that fixed scale instead of each token's own; 1-16 rows still read the fp8 weight against
 x as it is, as for dynamic layers. On CPU, where activations are not quantized, the scale is checked and dropped;
-MoE experts' scales likewise everywhere (the fused MoE kernel takes 16-bit activations)."""
+MoE experts' scales likewise everywhere (the fused MoE kernel takes 16-bit activations).
+
+Static KV-cache scales (a kv_cache_scheme: KV_SCALES) are checked and dropped everywhere: the model's
+`checked_weights`, which the loader reads instead of routing them to a parameter."""
 
 import torch
 from torch import nn
@@ -186,14 +189,35 @@ _PARTS = {None: 0, "q": 0, "k": 1, "v": 2}  # where a checkpoint module's input 
 def check_input_scale(loaded: torch.Tensor) -> torch.Tensor:
     """A checkpoint's static activation scale as a 0-dim float32 tensor. ValueError unless it holds one value that
     is finite and positive (x / scale must be a number)."""
+    return _check_scalar_scale(loaded, "input scale", "a static activation scale is one value per tensor (only "
+                                                      "per-tensor static activation scales are supported)")
+
+
+def check_kv_scale(loaded: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's static KV-cache scale (kv_cache_scheme) as a 0-dim float32 tensor; ValueError unless it holds
+    one finite positive value (a damaged or misread checkpoint, though nanovllm does not use the scale)."""
+    return _check_scalar_scale(loaded, "static KV-cache scale", "a kv_cache_scheme's scale is one value per tensor "
+                                                               "(strategy 'tensor')")
+
+
+def _check_scalar_scale(loaded: torch.Tensor, what: str, one_value: str) -> torch.Tensor:
     if loaded.numel() != 1:
-        raise ValueError(f"input scale of shape {tuple(loaded.shape)}: a static activation scale is one value per "
-                         "tensor (only per-tensor static activation scales are supported)")
+        raise ValueError(f"{what} of shape {tuple(loaded.shape)}: {one_value}")
     value = loaded.float().reshape(())
     if not (torch.isfinite(value) and value > 0):
-        raise ValueError(f"input scale {value.item()} is not a finite positive number: the checkpoint is damaged; "
+        raise ValueError(f"{what} {value.item()} is not a finite positive number: the checkpoint is damaged; "
                          "re-download or re-quantize it")
     return value
+
+
+# A checkpoint's static KV-cache scales (its config's kv_cache_scheme), by checkpoint name suffix, as vLLM maps them
+# onto its attention layers: the attention module's k_scale / v_scale (compressed-tensors'; q_scale and prob_scale,
+# for an fp8 attention, vLLM reads there too), AutoFP8's k/v_proj.output_scale (q_proj.output_scale and
+# prob_output_scale: vLLM's fp8 config maps them too). Read, checked and dropped: nanovllm's KV cache holds the
+# model's dtype, or fp8 with a scale per token and head.
+KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.q_scale", "self_attn.prob_scale",
+             "self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale", "self_attn.q_proj.output_scale",
+             "self_attn.prob_output_scale")
 
 
 def _load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
@@ -312,9 +336,12 @@ class Fp8Experts:
 
 def quantize_model(model: nn.Module, config: QuantConfig):
     """Give every linear layer the config quantizes an Fp8Linear, and every MoE layer's experts an Fp8Experts (their
-    weights made for loading); MoE routers stay 16-bit, as in the checkpoints."""
+    weights made for loading); MoE routers stay 16-bit, as in the checkpoints. With config.kv_scales the model checks
+    the checkpoint's KV-cache scales and drops them (its `checked_weights`, which the loader reads)."""
     from nanovllm.layers.linear import LinearBase, ReplicatedLinear, allocate_deferred
     from nanovllm.layers.moe import StackedExperts
+    if config.kv_scales:
+        model.checked_weights = dict.fromkeys(KV_SCALES, check_kv_scale)
     names = checkpoint_names(model)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):

@@ -73,6 +73,35 @@ STATIC = ("autofp8", "ct-static-channel", "ct-static-tensor")
 SPREAD = {"k_proj": 1.25, "v_proj": 1.5, "up_proj": 1.25}
 
 
+# static KV-cache scales (a kv_cache_scheme), one scalar per attention layer and name: llm-compressor's "-FP8-KV"
+# checkpoints (compressed-tensors: the attention module's k_scale and v_scale, of shape [1]) and AutoFP8's
+# kv_cache_scheme "static" (k/v_proj.output_scale, 0-dim; vLLM's fp8 config also reads q_proj.output_scale and
+# self_attn.prob_output_scale, which these carry too)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+KV_SCALES = {"compressed-tensors": ("k_scale", "v_scale"),
+             "autofp8": ("k_proj.output_scale", "v_proj.output_scale", "q_proj.output_scale", "prob_output_scale")}
+
+
+def add_kv_scales(path, fmt: str) -> str:
+    """Give a checkpoint of make_fp8's format `fmt` ("compressed-tensors" or "autofp8") static KV-cache scales as
+    that format stores them: a kv_cache_scheme in its quantization_config, KV_SCALES[fmt] in each attention module
+    (values that differ by layer and name; nanovllm checks them and does not use them)."""
+    import json
+    path = os.fspath(path)
+    attention = sorted(n.removesuffix(".q_proj.weight") for n in load_file(os.path.join(path, "model.safetensors"))
+                       if n.endswith("self_attn.q_proj.weight"))
+    scales = {}
+    for i, module in enumerate(attention):
+        for j, name in enumerate(KV_SCALES[fmt]):
+            value = torch.tensor(0.01 * (1 + i + j))
+            scales[f"{module}.{name}"] = value.reshape(1) if fmt == "compressed-tensors" else value
+    edit_tensors(path, replace=scales)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)["quantization_config"]
+    scheme = KV_CACHE_SCHEME if fmt == "compressed-tensors" else "static"
+    return edit_config(path, quantization_config={**config, "kv_cache_scheme": scheme})
+
+
 def make_fp8(source: str, path, fmt: str, reference_path) -> tuple[str, str]:
     """(an fp8 checkpoint of `source` in format `fmt`, a float32 checkpoint of the same weights dequantized). fmt:
     "qwen" (128x128 blocks, weight_scale_inv), "compressed-tensors" (per channel, weight_scale, dynamic

@@ -4,6 +4,7 @@ dequantized (exactly: the CPU path dequantizes at load, the same products in flo
 quantizes a 16/32-bit checkpoint per channel; tensor parallelism over gloo shards weights and scales; every format
 or tensor nanovllm cannot take is refused, naming it."""
 import json
+import logging
 import os
 import random
 import re
@@ -17,9 +18,11 @@ from nanovllm import LLM, SamplingParams
 from tests.quantization.checkpoints import (
     AUTOFP8_CONFIG,
     CT_CONFIG,
+    KV_CACHE_SCHEME,
     QWEN_CONFIG,
     STATIC,
     STATIC_INPUTS,
+    add_kv_scales,
     ct_config,
     edit_config,
     edit_tensors,
@@ -260,6 +263,106 @@ def test_moe_experts_with_static_input_scales(tmp_path):
         LLM(fp8)
 
 
+# ---- static KV-cache scales (kv_cache_scheme) ----------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["compressed-tensors", "autofp8"])
+def kv_scales(request, base, tmp_path_factory) -> tuple[str, str, str, str]:
+    """(format, the fp8 checkpoint with static KV-cache scales, the same without them, its dequantized reference)."""
+    fmt = request.param
+    plain, reference = make_fp8(base, tmp_path_factory.mktemp(f"kv_{fmt}_plain"), fmt,
+                                tmp_path_factory.mktemp(f"kv_{fmt}_ref"))
+    kv = add_kv_scales(shutil.copytree(plain, tmp_path_factory.mktemp(f"kv_{fmt}") / "fp8"), fmt)
+    return fmt, kv, plain, reference
+
+
+def test_static_kv_cache_scales_load_and_go_unused(kv_scales, caplog):
+    """llm-compressor's FP8-KV checkpoints (kv_cache_scheme: static per-tensor fp8; self_attn.k_scale / v_scale) and
+    AutoFP8's kv_cache_scheme 'static' (k/v/q_proj.output_scale, prob_output_scale) load, the scales checked and
+    dropped, saying so once: with kv_cache_dtype 'auto' transformers' tokens on the dequantized weights (a 16-bit
+    cache, float32 on CPU), with 'fp8' the tokens of the same checkpoint without the scales (nanovllm's own per-token
+    scaling either way)."""
+    _, kv, plain, reference = kv_scales
+    prompts = prompts_of(12, [3, 40, 17])
+    with caplog.at_level(logging.INFO, logger="nanovllm"), LLM(kv, kvcache_block_size=16,
+                                                                max_num_batched_tokens=64) as llm:
+        assert llm.config.quant.kv_scales
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out["token_ids"] for out in outs] == [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    notes = [r.getMessage() for r in caplog.records if "static KV-cache scales" in r.getMessage()]
+    assert len(notes) == 1 and "checked and not used: the KV cache is float32 (kv_cache_dtype='auto'" in notes[0]
+    caplog.clear()
+    runs = []
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        for path in (kv, plain):
+            with LLM(path, kv_cache_dtype="fp8", kvcache_block_size=16) as llm:
+                runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    notes = [r.getMessage() for r in caplog.records if "static KV-cache scales" in r.getMessage()]
+    assert len(notes) == 1 and "the fp8 KV cache scales each token and head as it is written" in notes[0]
+
+
+def test_bad_static_kv_cache_scales_are_refused(kv_scales, tmp_path):
+    """A KV-cache scale that is NaN, infinite, zero or negative, or of more than one value, is refused, naming the
+    tensor (compressed-tensors' k_scale and q_scale, AutoFP8's v_proj.output_scale and prob_output_scale); the same
+    scales in a checkpoint whose config has no kv_cache_scheme are refused as tensors no layer reads, saying which
+    configs read them."""
+    fmt, kv, _, _ = kv_scales
+    one, wide = (("k_scale", "q_scale") if fmt == "compressed-tensors"
+                 else ("v_proj.output_scale", "prob_output_scale"))
+    name = f"model.layers.1.self_attn.{one}"
+    for value in (float("nan"), float("inf"), 0.0, -0.5):
+        bad = _variant(kv, tmp_path / f"bad-{value}")
+        edit_tensors(bad, replace={name: torch.tensor(value)})
+        with pytest.raises(ValueError, match=rf"'{name}': static KV-cache scale {value} is not a finite positive "
+                                             "number"):
+            LLM(bad)
+    name = f"model.layers.0.self_attn.{wide}"
+    bad = _variant(kv, tmp_path / "wide")
+    edit_tensors(bad, replace={name: torch.full((2,), 0.01)})
+    with pytest.raises(ValueError, match=rf"'{name}': static KV-cache scale of shape \(2,\): a kv_cache_scheme's "
+                                         "scale is one value per tensor"):
+        LLM(bad)
+    config = json.load(open(os.path.join(kv, "config.json")))["quantization_config"]
+    unnamed = _variant(kv, tmp_path / "no-scheme", quantization_config={
+        k: v for k, v in config.items() if k != "kv_cache_scheme"})
+    with pytest.raises(ValueError, match=rf"'model.layers.0.self_attn.{re.escape(KV_NAMES[fmt])}' matches no "
+                                         r"parameter .*: a static KV-cache scale, which nanovllm reads \(checks and "
+                                         r"does not use\) only on the attention .* where quantization_config has a "
+                                         "kv_cache_scheme"):
+        LLM(unnamed)
+
+
+KV_NAMES = {"compressed-tensors": "k_scale", "autofp8": "k_proj.output_scale"}  # (each checkpoint's first)
+
+
+def test_static_kv_cache_scales_under_tensor_parallelism(kv_scales):
+    """Every rank reads and checks each (scalar) KV-cache scale whole: TP=2 gives transformers' tokens."""
+    _, kv, _, reference = kv_scales
+    prompt = prompts_of(13, [21])[0]
+    with LLM(kv, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
+
+
+def test_what_the_configs_say_about_kv_cache_scales():
+    """kv_scales for compressed-tensors' static per-tensor fp8 kv_cache_scheme (its absent fields at
+    compressed-tensors' defaults: static, symmetric) with any weight format, and AutoFP8's 'static' with or without
+    block-scaled weights; not without a kv_cache_scheme (nor for quantization='fp8')."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    def kv(spec):
+        return quant_config(SimpleNamespace(quantization_config=spec), None).kv_scales
+    for spec in (CT_CONFIG, QWEN_CONFIG, AUTOFP8_CONFIG, {**CT_CONFIG, "kv_cache_scheme": None}):
+        assert not kv(spec)
+    assert not quant_config(SimpleNamespace(), "fp8").kv_scales
+    brief = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    for spec in ({**CT_CONFIG, "kv_cache_scheme": KV_CACHE_SCHEME}, {**CT_CONFIG, "kv_cache_scheme": brief},
+                 {**ct_config(strategy="tensor"), "kv_cache_scheme": KV_CACHE_SCHEME},
+                 {**ct_config(None, strategy="block", block_structure=[128, 128]), "kv_cache_scheme": KV_CACHE_SCHEME},
+                 {**AUTOFP8_CONFIG, "kv_cache_scheme": "static"}, {**QWEN_CONFIG, "kv_cache_scheme": "Static"}):
+        assert kv(spec), spec
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -322,8 +425,22 @@ QUIP = {"config_groups": {
                                                               "weights are not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\] is not supported"),
     ({**QWEN_CONFIG, "weight_block_size": [128, 16]}, "the columns' at least 32"),
-    ({**QWEN_CONFIG, "kv_cache_scheme": "static"}, r"kv_cache_scheme 'static' \(static KV-cache scales\) is not "
-                                                   "supported; use kv_cache_dtype='fp8'"),  # (AutoFP8's)
+    # KV-cache scales other than static per-tensor fp8 (AutoFP8's 'static', compressed-tensors' float tensor scheme)
+    ({**QWEN_CONFIG, "kv_cache_scheme": "dynamic"}, "kv_cache_scheme 'dynamic' is not supported; only 'static'"),
+    ({**CT_CONFIG, "kv_cache_scheme": {**KV_CACHE_SCHEME, "type": "int"}}, "kv_cache_scheme with type 'int' is not "
+                                                                         "supported; only static per-tensor fp8"),
+    ({**CT_CONFIG, "kv_cache_scheme": {"num_bits": 4, "strategy": "tensor"}}, "kv_cache_scheme with num_bits 4, type "
+                                                                              "'int' is not supported"),
+    ({**CT_CONFIG, "kv_cache_scheme": {**KV_CACHE_SCHEME, "strategy": "attn_head"}}, "kv_cache_scheme with strategy "
+                                                                                    "'attn_head' is not supported"),
+    ({**CT_CONFIG, "kv_cache_scheme": {**KV_CACHE_SCHEME, "strategy": "channel"}}, "kv_cache_scheme with strategy "
+                                                                                  "'channel' is not supported"),
+    ({**CT_CONFIG, "kv_cache_scheme": {**KV_CACHE_SCHEME, "dynamic": True}}, "kv_cache_scheme with dynamic True is "
+                                                                            "not supported"),
+    ({**CT_CONFIG, "kv_cache_scheme": {**KV_CACHE_SCHEME, "symmetric": False}}, "kv_cache_scheme with symmetric "
+                                                                               "False is not supported"),
+    ({**CT_CONFIG, "kv_cache_scheme": "static"}, "kv_cache_scheme 'static' is not supported; compressed-tensors' "
+                                                 "kv_cache_scheme is a dict"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized' is not supported"),
     ({**CT_CONFIG, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
