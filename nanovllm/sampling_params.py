@@ -25,7 +25,7 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _output_kind(kind) -> RequestOutputKind:
+def as_output_kind(kind) -> RequestOutputKind:
     """A RequestOutputKind from ours, vLLM's enum (by name), its name or int value, or None (CUMULATIVE)."""
     if kind is None:
         return RequestOutputKind.CUMULATIVE
@@ -202,7 +202,7 @@ class SamplingParams:
         if self.logits_processors:
             raise ValueError("logits_processors (callables on the logits) are not supported: nanovllm applies its "
                              "own on the device; use logit_bias, allowed_token_ids, bad_words or structured_outputs")
-        self.output_kind = _output_kind(self.output_kind)
+        self.output_kind = as_output_kind(self.output_kind)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from nanovllm.engine.detokenizer import stop_holdback
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.outputs import CompletionOutput, FlatLogprobs, RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams, as_output_kind
 
 if TYPE_CHECKING:
     from nanovllm.engine_args import EngineArgs
@@ -101,8 +101,8 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already running; ids must be unique among "
                                  "unfinished requests")
             # (text as tokens arrive, for outputs before the end; a FINAL_ONLY request's is decoded once, at the end)
-            first = self.llm.add_request(prompt, params, lora_request,
-                                         stream=params.output_kind != RequestOutputKind.FINAL_ONLY)
+            final_only = as_output_kind(params.output_kind) == RequestOutputKind.FINAL_ONLY
+            first = self.llm.add_request(prompt, params, lora_request, stream=not final_only)
             samples = [first, *first.forks]
             for seq in samples:
                 seq.request_id = request_id
