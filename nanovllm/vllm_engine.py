@@ -1,5 +1,6 @@
-"""vLLM's LLMEngine and EngineArgs: a step loop over requests the caller names, each step returning RequestOutputs,
-so vLLM scripts that drive the engine themselves (llm_engine_example.py, serving loops) run unchanged.
+"""vLLM's LLMEngine (its EngineArgs: engine_args.py): a step loop over requests the caller names, each step
+returning RequestOutputs, so vLLM scripts that drive the engine themselves (llm_engine_example.py, serving loops) run
+unchanged.
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=path))
     engine.add_request("0", "Hello", SamplingParams(max_tokens=8))

@@ -505,8 +505,7 @@ class DataParallelLLM(Frontend):
                     self._end_calls()
 
     # ---- one engine's request-at-a-time loop: refused, saying what to use ----------------------------------
-    # (llm.llm_engine is this front: without these, vLLM-style code reading llm.llm_engine.add_request met a bare
-    # AttributeError that did not say why, or what to call instead)
+    # (llm.llm_engine's add_request, step and abort_request call these too: each says why, and what to call instead)
     def _no_step_api(self, what: str):
         raise NotImplementedError(f"{what}() is not available with data_parallel_size > 1: the replicas serve whole "
                                   "calls; use generate() or stream(), or an LLM with data_parallel_size=1 for "

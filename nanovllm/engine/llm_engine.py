@@ -541,7 +541,11 @@ class LLMEngine:
     def _drop_useless_step(self):
         """Async scheduling: with no sequence queued, the step in flight computes only finished ones (ended by a
         stop, or aborted, after it was launched), writing only their freed blocks: it is dropped, as _run drops one,
-        so the engine is idle at once (is_finished(); sleep, update_weights and reset_prefix_cache take it)."""
+        so the engine is idle at once (is_finished(); sleep, update_weights and reset_prefix_cache take it).
+        Its device work stays queued, and nothing later can change what it reads: all of it is on the one stream,
+        ahead of any later step's copies and kernels, and its host buffers are either pinned tensors of its own
+        (the caching host allocator reuses one only once its copy is done) or StaticInputs' images (each waited
+        for before it is written again)."""
         if self.scheduler.is_finished():
             self._pending = self._unsettled = None
 
