@@ -35,6 +35,10 @@ class Executor:
         """Wait for a launched step's tokens."""
         return self.runner.settle(step)
 
+    def between_launch_and_sample(self, fn, *args):
+        """fn(*args) on rank 0 after a step's launch and before its sample (settling the step before it)."""
+        return fn(*args)
+
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """Run ModelRunner.`method`(*args, **kwargs) on every rank; the results in rank order."""
         raise NotImplementedError

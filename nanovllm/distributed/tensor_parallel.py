@@ -83,6 +83,11 @@ class MultiprocExecutor(Executor):
     def sample(self, step):
         return self.workers.guarded(self.runner, self.runner.sample, step)
 
+    def between_launch_and_sample(self, fn, *args):
+        """Part of the step: the workers wait in its token broadcast meanwhile, so a failure (a Ctrl-C while settling
+        the step before) leaves them there and shuts them down, as a failure in the step itself does."""
+        return self.workers.guarded(self.runner, fn, *args)
+
     def collective_rpc(self, method, args=(), kwargs=None):
         kwargs = kwargs or {}
         return self.workers.call(self.runner, check_rpc_call(method, args, kwargs), tuple(args), kwargs, reply=True)

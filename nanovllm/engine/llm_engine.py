@@ -529,7 +529,9 @@ class LLMEngine:
         launched = self.executor.launch(batch, pending)  # N+1's forward pass is queued
         settled = None
         if pending is not None and any(seq.grammar is not None or seq.bad_words_ids for seq in batch.rows):
-            settled = self._settle()  # N+1's grammar bitmask or bad words need N's tokens: settle N first
+            # N+1's grammar bitmask or bad words need N's tokens: settle N first (tensor parallelism: the workers wait
+            # for N+1's tokens meanwhile, so a failure here shuts them down)
+            settled = self.executor.between_launch_and_sample(self._settle)
         self._pending = self.executor.sample(launched)
         for seq in batch.seqs:
             if not seq.is_finished:  # (settling N may have just ended it: nothing more to hold a place for)

@@ -15,12 +15,14 @@ import sys
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.distributed import tensor_parallel
 from nanovllm.distributed.channel import RpcChannel
 from nanovllm.distributed.tensor_parallel import WorkerError, check_tensor_parallel
 from nanovllm.engine.batch import ScheduledBatch
@@ -317,6 +319,40 @@ def test_a_worker_that_dies_mid_generate_surfaces_in_rank_0(qwen3_tied):
                 llm.generate(_prompts(7, [10, 10, 10, 10]), long_run, use_tqdm=False)
             killer.join()
         _assert_nothing_left(workers)
+
+
+@pytest.mark.parametrize("where", ["settle", "sample"])
+def test_an_interrupt_between_launch_and_sample_shuts_the_workers_down(qwen3_tied, monkeypatch, where):
+    """Async scheduling: rank 0 launches decode step N+1, the workers then wait in its token broadcast, and rank 0
+    samples it; with bad words (or a grammar) it settles step N in between. A Ctrl-C in that settle left the workers
+    waiting, and the next call's collectives met theirs: a hang. There, as in the sampling itself, the workers are
+    shut down, the interrupt raised, and later calls raise WorkerError."""
+    monkeypatch.setattr(tensor_parallel, "TIMEOUT_S", 60.0)  # (rank 0's collectives: a hang fails in 60 s, not 300)
+    with _deadline(150):
+        llm = LLM(qwen3_tied, async_scheduling=True, **TP_OPTIONS)
+        workers = llm.executor.workers
+        # settle: the executor's (each decode step's settle of the step before comes between launch and sample);
+        # sample: rank 0's runner's, inside the executor's guard (the prefill's first, then each decode step's)
+        owner = llm.executor if where == "settle" else llm.executor.runner
+        real, calls = getattr(owner, where), []
+
+        def failing_third(*args):
+            calls.append(where)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(*args)
+
+        bad_words = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["zzz"])
+        with mock.patch.object(owner, where, side_effect=failing_third), pytest.raises(KeyboardInterrupt):
+            llm.generate(_prompts(8, [3, 9]), bad_words, use_tqdm=False)
+        _assert_nothing_left(workers)
+        shut_down = r"the engine was shut down after an error on rank 0 .*\(KeyboardInterrupt"
+        with pytest.raises(WorkerError, match=shut_down):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        llm.add_request([4, 5, 6], GREEDY)
+        with pytest.raises(WorkerError, match=shut_down):
+            llm.step()
+        llm.exit()
 
 
 def test_a_failed_start_leaves_nothing(qwen3_tied, tmp_path):
