@@ -1,6 +1,7 @@
 """vLLM's EngineArgs: the model and LLM(...)'s options, from code or a command line (add_cli_args, from_cli_args),
 for LLMEngine.from_engine_args."""
 import argparse
+import dataclasses
 import types
 import typing
 from dataclasses import fields
@@ -28,7 +29,15 @@ class EngineArgs:
         self.model = model
         self.options = options
         for name, value in options.items():
-            setattr(self, name, value)
+            if name not in ("model", "options") and not hasattr(EngineArgs, name):  # (LLM(...) refuses those names)
+                setattr(self, name, value)
+
+    def __getattr__(self, name: str):
+        """An option left out reads as the default LLM(...) takes for it, as vLLM's EngineArgs fields do."""
+        defaults = _defaults()
+        if name not in defaults:
+            raise AttributeError(f"EngineArgs has no option {name!r}")
+        return defaults[name]
 
     def __repr__(self) -> str:
         return f"EngineArgs(model={self.model!r}{''.join(f', {k}={v!r}' for k, v in self.options.items())})"
@@ -63,6 +72,15 @@ class EngineArgs:
         """The options add_cli_args added that the command line set (other attributes of `args` are the script's)."""
         names = _cli_options()
         return cls(args.model, **{k: v for k, v in vars(args).items() if k in names})
+
+
+def _defaults() -> dict[str, object]:
+    """Option name -> LLM(...)'s default: Config's fields (under vLLM's names too) and vLLM's default-only options."""
+    defaults = {f.name: f.default for f in fields(Config) if f.init and f.name != "model"
+                and f.default is not dataclasses.MISSING}
+    defaults.update({vllm: defaults[ours] for vllm, ours in ALIASES.items()})
+    defaults.update({name: default for name, (default, _) in DEFAULT_ONLY.items()})
+    return defaults
 
 
 def _cli_options() -> dict[str, type]:

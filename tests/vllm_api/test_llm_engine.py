@@ -396,3 +396,17 @@ def test_engine_args_take_vllm_flags(model):
     args = parser.parse_args(["--model", model, "--pipeline-parallel-size", "2", "--enable-expert-parallel"])
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
         LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+
+
+def test_engine_args_read_their_defaults(model):
+    """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; options named like
+    EngineArgs' own attributes do not replace them (LLM(...) refuses them as unknown)."""
+    args = EngineArgs(model, max_model_len=256)
+    assert (args.model, args.max_model_len, args.block_size, args.enable_prefix_caching, args.tokenizer_mode,
+            args.swap_space) == (model, 256, 256, True, "auto", 4)
+    with pytest.raises(AttributeError, match="no option 'no_such_option'"):
+        _ = args.no_such_option
+    clash = EngineArgs(model, options=1, make_llm=2)
+    assert clash.options == {"options": 1, "make_llm": 2} and callable(clash.make_llm)
+    with pytest.raises(TypeError, match="unknown option"):
+        clash.make_llm()
