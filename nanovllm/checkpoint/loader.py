@@ -262,7 +262,7 @@ _SCALE_HINTS = {
                    "activations reads (quant_method 'fp8' with activation_scheme 'static', or compressed-tensors' "
                    "input_activations with dynamic false and strategy 'tensor'); this config's activations are "
                    "dynamic or 16-bit, or its ignore list names this module",
-    **dict.fromkeys(("k_scale", "v_scale", "q_scale", "prob_scale", "output_scale", "prob_output_scale"),
+    **dict.fromkeys(("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale", "output_scale", "prob_output_scale"),
                     ": a static KV-cache scale, which nanovllm reads (checks and does not use) only on the attention "
                     "(self_attn.k_scale, k_proj.output_scale, ...) and where quantization_config has a kv_cache_scheme "
                     "(compressed-tensors' static per-tensor fp8, or AutoFP8's 'static'); kv_cache_dtype='fp8' scales "

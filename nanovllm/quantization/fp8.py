@@ -213,9 +213,11 @@ def _check_scalar_scale(loaded: torch.Tensor, what: str, one_value: str) -> torc
 # A checkpoint's static KV-cache scales (its config's kv_cache_scheme), by checkpoint name suffix, as vLLM maps them
 # onto its attention layers: the attention module's k_scale / v_scale (compressed-tensors'; q_scale and prob_scale,
 # for an fp8 attention, vLLM reads there too), AutoFP8's k/v_proj.output_scale (q_proj.output_scale and
-# prob_output_scale: vLLM's fp8 config maps them too). Read, checked and dropped: nanovllm's KV cache holds the
-# model's dtype, or fp8 with a scale per token and head.
+# prob_output_scale: vLLM's fp8 config maps them too), and the attention's one kv_scale of AutoFP8's first FP8-KV
+# checkpoints (mid-2024; vLLM still reads it, as k_scale and v_scale alike). Read, checked and dropped: nanovllm's
+# KV cache holds the model's dtype, or fp8 with a scale per token and head.
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.q_scale", "self_attn.prob_scale",
+             "self_attn.kv_scale",
              "self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale", "self_attn.q_proj.output_scale",
              "self_attn.prob_output_scale")
 

@@ -335,6 +335,26 @@ def test_bad_static_kv_cache_scales_are_refused(kv_scales, tmp_path):
 KV_NAMES = {"compressed-tensors": "k_scale", "autofp8": "k_proj.output_scale"}  # (each checkpoint's first)
 
 
+def test_autofp8_first_kv_scale_format(base, tmp_path):
+    """AutoFP8's first FP8-KV checkpoints (mid-2024) hold one self_attn.kv_scale per attention (vLLM reads it as
+    k_scale and v_scale alike): checked and dropped like the others, giving transformers' tokens; a bad one is
+    refused, named; without a kv_cache_scheme refused saying which configs read it."""
+    fp8, reference = make_fp8(base, tmp_path / "fp8", "autofp8", tmp_path / "reference")
+    edit_tensors(fp8, replace={f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.02 * (i + 1)) for i in range(2)})
+    edit_config(fp8, quantization_config={**AUTOFP8_CONFIG, "kv_cache_scheme": "static"})
+    prompt = prompts_of(14, [19])[0]
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
+    name = "model.layers.1.self_attn.kv_scale"
+    bad = _variant(fp8, tmp_path / "bad")
+    edit_tensors(bad, replace={name: torch.tensor(-1.0)})
+    with pytest.raises(ValueError, match=rf"'{name}': static KV-cache scale -1.0 is not a finite positive number"):
+        LLM(bad)
+    unnamed = _variant(fp8, tmp_path / "no-scheme", quantization_config=AUTOFP8_CONFIG)
+    with pytest.raises(ValueError, match=r"self_attn.kv_scale' matches no parameter .*: a static KV-cache scale"):
+        LLM(unnamed)
+
+
 def test_static_kv_cache_scales_under_tensor_parallelism(kv_scales):
     """Every rank reads and checks each (scalar) KV-cache scale whole: TP=2 gives transformers' tokens."""
     _, kv, _, reference = kv_scales
