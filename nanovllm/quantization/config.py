@@ -177,6 +177,9 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
                          "8-bit float (fp8) weights are supported")
     if not weights.get("symmetric", True) or weights.get("dynamic", False):
         raise ValueError(f"{where}: asymmetric or dynamic weight scales are not supported")
+    if group.get("output_activations") is not None:  # (their output_scale tensors would read as KV-cache scales)
+        raise ValueError(f"{where}: output_activations (quantized layer outputs) are not supported; only weights and "
+                         "input activations are quantized (a kv_cache_scheme gives static KV-cache scales)")
     strategy = weights.get("strategy")
     static = _static_inputs(inputs, where)
     ignore, activations = tuple(spec.get("ignore") or ()), inputs is not None

@@ -363,6 +363,18 @@ def test_static_kv_cache_scales_under_tensor_parallelism(kv_scales):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
 
 
+def test_quantized_layer_outputs_are_refused_by_name():
+    """compressed-tensors' output_activations (each Linear's output quantized, static ones stored as output_scale):
+    refused naming the field, not read as KV-cache scales nor run without quantizing the outputs."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    spec = ct_config(strategy="tensor")
+    spec["config_groups"]["group_0"]["output_activations"] = dict(STATIC_INPUTS)
+    with pytest.raises(ValueError, match=r"output_activations \(quantized layer outputs\) are not supported"):
+        quant_config(SimpleNamespace(quantization_config=spec), None)
+
+
 def test_what_the_configs_say_about_kv_cache_scales():
     """kv_scales for compressed-tensors' static per-tensor fp8 kv_cache_scheme (its absent fields at
     compressed-tensors' defaults: static, symmetric) with any weight format, and AutoFP8's 'static' with or without
