@@ -34,7 +34,7 @@ class _Request:
     kind: RequestOutputKind
     tokens: list[int]  # per sample: completion tokens returned so far
     chars: list[int]  # per sample: characters of text returned so far
-    logprobs: list  # per sample: the Logprob dicts so far (texts given once, as each arrives)
+    logprobs: list  # per sample: the Logprob dicts so far, texts given once (CUMULATIVE and FINAL_ONLY)
     cumulative: list[float]
     prompt_logprobs: object = None
     prompt_returned: bool = False
@@ -166,22 +166,27 @@ class LLMEngine:
 
     def _sample(self, request: _Request, seq: Sequence, delta: bool) -> CompletionOutput:
         """One sample's CompletionOutput: all of it so far, or (delta) what it gained since it was last returned."""
-        i, sp = seq.sample_index, seq.sampling_params
-        tokens = seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + _num_settled(seq)]
-        start, request.tokens[i] = request.tokens[i], len(tokens)
+        i, sp, p = seq.sample_index, seq.sampling_params, seq.num_prompt_tokens
+        start, settled = request.tokens[i], _num_settled(seq)
+        request.tokens[i] = settled
+        new_tokens = seq.token_ids[p + start:p + settled]  # (a delta copies only what is new: no pass over it all)
         text = self.llm._text(seq)
         end = len(text) if seq.is_finished else len(text) - stop_holdback(text, sp.stop_strings)
         text_start, request.chars[i] = request.chars[i], max(request.chars[i], end)
         logprobs = cumulative = None
         if sp.logprobs is not None:
-            new = self.llm._logprobs(seq.logprobs[start:len(tokens)], sp.detokenize)
-            request.cumulative[i] += sum(entry[t] for entry, t in zip(new, tokens[start:]))
-            request.logprobs[i].extend(new)
-            logprobs, cumulative = (new if delta else request.logprobs[i].copy()), request.cumulative[i]
+            new = self.llm._logprobs(seq.logprobs[start:settled], sp.detokenize)
+            request.cumulative[i] += sum(entry[t] for entry, t in zip(new, new_tokens))
+            cumulative = request.cumulative[i]
+            if delta:
+                logprobs = new
+            else:  # (kept only where whole outputs read them again)
+                request.logprobs[i].extend(new)
+                logprobs = request.logprobs[i].copy()
         if delta:
-            return CompletionOutput(i, text[text_start:end], tokens[start:], cumulative, logprobs,
-                                    seq.finish_reason, seq.stop_reason)
-        return CompletionOutput(i, text[:end], list(tokens), cumulative, logprobs, seq.finish_reason,
+            return CompletionOutput(i, text[text_start:end], new_tokens, cumulative, logprobs, seq.finish_reason,
+                                    seq.stop_reason)
+        return CompletionOutput(i, text[:end], seq.token_ids[p:p + settled], cumulative, logprobs, seq.finish_reason,
                                 seq.stop_reason)
 
     # ---- the LLM's own methods, under vLLM's engine names ----------------------------------------

@@ -494,8 +494,8 @@ class ModelRunner:
                 if k is None:
                     out.append(None)
                     continue
-                d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(ids, values) if k == width else
-                                                                      zip(ids[:k], values[:k]), 1)}
+                d = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids, values) if k == width else
+                                                                zip(ids[:k], values[:k]), 1)}
                 if token not in d:  # (outside the top k: with its rank)
                     d[token] = Logprob(logprob, rank)
                 out.append(d)
