@@ -180,7 +180,7 @@ def _compressed_tensors(spec: dict) -> QuantConfig:
     if group.get("output_activations") is not None:  # (their output_scale tensors would read as KV-cache scales)
         raise ValueError(f"{where}: output_activations (quantized layer outputs) are not supported; only weights and "
                          "input activations are quantized (a kv_cache_scheme gives static KV-cache scales)")
-    strategy = weights.get("strategy")
+    strategy = _strategy(weights, "weights", where)
     static = _static_inputs(inputs, where)
     ignore, activations = tuple(spec.get("ignore") or ()), inputs is not None
     if strategy in ("channel", "tensor"):
@@ -211,7 +211,7 @@ def _static_inputs(inputs: dict | None, where: str) -> bool:
                          "none)")
     if inputs.get("dynamic", False):
         return False
-    strategy = inputs.get("strategy")
+    strategy = _strategy(inputs, "input activations", where)
     if strategy != "tensor":
         raise ValueError(f"{where}: static input activation scales with strategy {strategy!r} are not supported; "
                          "static input scales must be per tensor (strategy 'tensor'), or dynamic")
@@ -219,6 +219,30 @@ def _static_inputs(inputs: dict | None, where: str) -> bool:
         raise ValueError(f"{where}: asymmetric static input activation scales (a zero point) are not supported; only "
                          "symmetric ones")
     return True
+
+
+def _strategy(args: dict, what: str, where: str):
+    """The strategy of compressed-tensors quantization args (a config group's weights or input_activations) as its
+    QuantizationArgs reads them, and vLLM with it: the one named (in any case), or, where none is named, 'tensor'
+    without a group_size, 'group' with a positive one, 'channel' with -1. ValueError for args compressed-tensors
+    refuses when it infers the strategy: any other group_size, or a block_structure (which needs strategy 'block')."""
+    strategy = args.get("strategy")
+    if strategy is not None:
+        return strategy.lower() if isinstance(strategy, str) else strategy
+    if args.get("block_structure") is not None:
+        raise ValueError(f"{where}: {what} with a block_structure but no strategy, which compressed-tensors refuses "
+                         "(it reads no strategy as 'tensor', 'group' or 'channel' by the group_size; a "
+                         "block_structure needs strategy 'block')")
+    group_size = args.get("group_size")
+    if group_size is None:
+        return "tensor"
+    if group_size == -1:
+        return "channel"
+    if isinstance(group_size, int) and not isinstance(group_size, bool) and group_size > 0:
+        return "group"
+    raise ValueError(f"{where}: {what} with group_size {group_size!r} and no strategy, which compressed-tensors "
+                     "refuses: it reads no strategy as 'tensor' without a group_size, 'group' with a positive one, "
+                     "'channel' with -1")
 
 
 # the one compressed-tensors kv_cache_scheme read: fp8, one static symmetric scale per tensor (llm-compressor's

@@ -209,6 +209,44 @@ def test_static_scales_under_tensor_parallelism(base, tmp_path):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
 
 
+def test_compressed_tensors_args_without_a_strategy(base, tmp_path):
+    """A config group's weights or input_activations naming no strategy: read as compressed-tensors' QuantizationArgs
+    (and vLLM through them) read it, from the group_size: 'tensor' without one, 'channel' with -1, 'group' with a
+    positive one. llm-compressor's FP8 preset with no strategy in either loads as per-tensor weights and static
+    per-tensor activations, and with group_size -1 in its weights as per-channel ones: transformers' tokens on the
+    dequantized weights. A strategy in capitals reads as in lower case; a positive group_size reads as 'group'
+    (refused as such); a group_size or block_structure compressed-tensors refuses without a strategy is refused."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    weights = {k: v for k, v in CT_CONFIG["config_groups"]["group_0"]["weights"].items() if k != "strategy"}
+    inputs = {k: v for k, v in STATIC_INPUTS.items() if k != "strategy"}
+
+    def config(weights: dict, inputs: dict = inputs) -> dict:
+        group = {**CT_CONFIG["config_groups"]["group_0"], "weights": weights, "input_activations": inputs}
+        return {**CT_CONFIG, "config_groups": {"group_0": group}}
+
+    prompts = prompts_of(15, [7, 26])
+    for fmt, unnamed in (("ct-static-tensor", weights), ("ct-static-channel", {**weights, "group_size": -1})):
+        fp8, reference = make_fp8(base, tmp_path / fmt, fmt, tmp_path / f"{fmt}-reference")
+        edit_config(fp8, quantization_config=config(unnamed))
+        with LLM(fp8, kvcache_block_size=16) as llm:
+            assert llm.config.quant.static_activations and llm.config.quant.block == (1, None)
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [out["token_ids"] for out in outs] == [hf_greedy(reference, prompt, 16) for prompt in prompts], fmt
+    capitals = config({**weights, "strategy": "TENSOR"}, {**inputs, "strategy": "Tensor"})
+    assert quant_config(SimpleNamespace(quantization_config=capitals), None).static_activations
+    for unnamed_weights, unnamed_inputs, message in (
+            ({**weights, "group_size": 128}, inputs, "weight strategy 'group' is not supported"),
+            (weights, {**inputs, "group_size": 64}, "static input activation scales with strategy 'group' are not "
+                                                    "supported"),
+            ({**weights, "group_size": 0}, inputs, "weights with group_size 0 and no strategy, which "
+                                                   "compressed-tensors refuses"),
+            ({**weights, "block_structure": [128, 128]}, inputs, "weights with a block_structure but no strategy")):
+        with pytest.raises(ValueError, match=message):
+            quant_config(SimpleNamespace(quantization_config=config(unnamed_weights, unnamed_inputs)), None)
+
+
 @pytest.fixture(scope="module")
 def autofp8(base, tmp_path_factory) -> str:
     return make_fp8(base, tmp_path_factory.mktemp("autofp8"), "autofp8", tmp_path_factory.mktemp("autofp8_ref"))[0]
