@@ -90,7 +90,8 @@ def copy_into(param: nn.Parameter, placements: list[tuple]):
         if param.dtype == torch.float8_e4m3fn and part.dtype != param.dtype:
             kind = ("only e4m3 fp8 checkpoints are supported" if part.dtype.is_floating_point and part.itemsize == 1
                     else "the checkpoint's quantization_config quantizes this layer: store it as fp8 e4m3 with its "
-                    "scale, or name the layer in the config's ignore list (modules_to_not_convert in Qwen's format)")
+                    "scale, or name the layer in the config's ignore list (quant_method 'fp8': ignored_layers, or "
+                    "modules_to_not_convert where there is none; compressed-tensors: ignore)")
             raise ValueError(f"is {part.dtype} but this layer's weight is float8_e4m3fn: {kind}")
         param.data[index].copy_(part)
 

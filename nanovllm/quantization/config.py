@@ -130,8 +130,10 @@ def _fp8(spec: dict) -> QuantConfig:
                          "KV-cache scales, which nanovllm checks and does not use: kv_cache_dtype='fp8' scales each "
                          "token and head itself)")
     block = spec.get("weight_block_size")
-    ignore = tuple(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or ())
-    hf_ignore = tuple(spec.get("modules_to_not_convert") or ())
+    # (as vLLM's Fp8Config: ignored_layers, AutoFP8's list of module names; transformers' modules_to_not_convert only
+    # where there is none, then also read as transformers reads it)
+    hf_ignore = () if spec.get("ignored_layers") else tuple(spec.get("modules_to_not_convert") or ())
+    ignore = tuple(spec.get("ignored_layers") or ()) or hf_ignore
     static = scheme == "static"  # (AutoFP8's: a scalar input_scale per linear)
     if block is None:  # a scale per tensor
         return QuantConfig("fp8", ignore=ignore, transformers_ignore=hf_ignore, static_activations=static,

@@ -818,6 +818,33 @@ def test_modules_the_config_leaves_unquantized(base, tmp_path, fmt, ignore):
         assert out["token_ids"] == hf_greedy(reference, prompt, 16)
 
 
+def test_fp8_ignored_layers_come_before_modules_to_not_convert(base, tmp_path):
+    """quant_method 'fp8' with both lists: vLLM's Fp8Config reads ignored_layers (AutoFP8's module names), and
+    modules_to_not_convert only where ignored_layers is absent or empty. Layer 0's MLP kept float32 by ignored_layers,
+    beside a modules_to_not_convert naming layer 1's attention, which the checkpoint holds in fp8 (vLLM quantizes
+    it): transformers' tokens on the dequantized weights. The config alone: the list vLLM reads decides, both ways."""
+    from types import SimpleNamespace
+
+    from nanovllm.quantization import quant_config
+    mlp = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    both = {**QWEN_CONFIG, "ignored_layers": mlp, "modules_to_not_convert": ["model.layers.1.self_attn"]}
+    fp8, reference = make_fp8(base, tmp_path / "fp8", "qwen", tmp_path / "reference")
+    plain = load_file(os.path.join(reference, "model.safetensors"))
+    kept = [name for name in load_file(os.path.join(fp8, "model.safetensors")) if "layers.0.mlp" in name]
+    edit_tensors(fp8, drop=tuple(kept), replace={n: plain[n] for n in kept if n.endswith(".weight")})
+    edit_config(fp8, quantization_config=both)
+    prompts = prompts_of(16, [6, 31])
+    with LLM(fp8, kvcache_block_size=16) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out["token_ids"] for out in outs] == [hf_greedy(reference, prompt, 16) for prompt in prompts]
+    config = quant_config(SimpleNamespace(quantization_config=both), None)
+    assert not config.quantizes("model.layers.0.mlp.down_proj") and config.quantizes("model.layers.1.self_attn.o_proj")
+    for none in ([], None):  # (then modules_to_not_convert)
+        config = quant_config(SimpleNamespace(quantization_config={**both, "ignored_layers": none}), None)
+        assert config.quantizes("model.layers.0.mlp.down_proj")
+        assert not config.quantizes("model.layers.1.self_attn.o_proj")
+
+
 def test_an_ignore_list_that_splits_a_packed_layer_is_refused(qwen_fp8, tmp_path):
     """q_proj ignored but not k/v_proj (one qkv layer here), or one expert's down_proj but not the rest: refused,
     naming what the list leaves out, instead of an error about another tensor's dtype."""
