@@ -214,12 +214,19 @@ def _check_scalar_scale(loaded: torch.Tensor, what: str, one_value: str) -> torc
 # onto its attention layers: the attention module's k_scale / v_scale (compressed-tensors'; q_scale and prob_scale,
 # for an fp8 attention, vLLM reads there too), AutoFP8's k/v_proj.output_scale (q_proj.output_scale and
 # prob_output_scale: vLLM's fp8 config maps them too), and the attention's one kv_scale of AutoFP8's first FP8-KV
-# checkpoints (mid-2024; vLLM still reads it, as k_scale and v_scale alike). Read, checked and dropped: nanovllm's
-# KV cache holds the model's dtype, or fp8 with a scale per token and head.
+# checkpoints (mid-2024; vLLM still reads it, as k_scale and v_scale alike). Then the other names vLLM's loader maps
+# there (its cache-scale mapper): vLLM's own (its attention module, self_attn.attn), a fused q/k/v projection's
+# (qkv_proj.k_scale / v_scale), ModelOpt's (k_proj.k_scale, v_proj.v_scale: either projection with either scale)
+# and HunYuan's (q.scale, k_cache.scale, v_cache.scale). Read, checked and dropped: nanovllm's KV cache holds the
+# model's dtype, or fp8 with a scale per token and head.
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.q_scale", "self_attn.prob_scale",
              "self_attn.kv_scale",
              "self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale", "self_attn.q_proj.output_scale",
-             "self_attn.prob_output_scale")
+             "self_attn.prob_output_scale",
+             *(f"self_attn.attn.{name}_scale" for name in ("k", "v", "q", "prob")),
+             "self_attn.qkv_proj.k_scale", "self_attn.qkv_proj.v_scale",
+             *(f"self_attn.{proj}_proj.{name}_scale" for proj in "kv" for name in "kv"),
+             "self_attn.q.scale", "self_attn.k_cache.scale", "self_attn.v_cache.scale")
 
 
 def _load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):

@@ -82,17 +82,17 @@ KV_SCALES = {"compressed-tensors": ("k_scale", "v_scale"),
              "autofp8": ("k_proj.output_scale", "v_proj.output_scale", "q_proj.output_scale", "prob_output_scale")}
 
 
-def add_kv_scales(path, fmt: str) -> str:
+def add_kv_scales(path, fmt: str, names: tuple[str, ...] | None = None) -> str:
     """Give a checkpoint of make_fp8's format `fmt` ("compressed-tensors" or "autofp8") static KV-cache scales as
-    that format stores them: a kv_cache_scheme in its quantization_config, KV_SCALES[fmt] in each attention module
-    (values that differ by layer and name; nanovllm checks them and does not use them)."""
+    that format stores them: a kv_cache_scheme in its quantization_config, KV_SCALES[fmt] (or `names`) in each
+    attention module (values that differ by layer and name; nanovllm checks them and does not use them)."""
     import json
     path = os.fspath(path)
     attention = sorted(n.removesuffix(".q_proj.weight") for n in load_file(os.path.join(path, "model.safetensors"))
                        if n.endswith("self_attn.q_proj.weight"))
     scales = {}
     for i, module in enumerate(attention):
-        for j, name in enumerate(KV_SCALES[fmt]):
+        for j, name in enumerate(names or KV_SCALES[fmt]):
             value = torch.tensor(0.01 * (1 + i + j))
             scales[f"{module}.{name}"] = value.reshape(1) if fmt == "compressed-tensors" else value
     edit_tensors(path, replace=scales)

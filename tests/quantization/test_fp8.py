@@ -393,6 +393,33 @@ def test_autofp8_first_kv_scale_format(base, tmp_path):
         LLM(unnamed)
 
 
+# the names vLLM's loader maps onto its attention's KV-cache scales besides the formats' own (KV_SCALES): its own
+# attention module's, a fused q/k/v projection's, ModelOpt's (either of k/v_proj with either scale), HunYuan's
+OTHER_KV_NAMES = ("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale", "qkv_proj.k_scale",
+                  "qkv_proj.v_scale", "k_proj.k_scale", "v_proj.v_scale", "k_proj.v_scale", "v_proj.k_scale",
+                  "q.scale", "k_cache.scale", "v_cache.scale")
+
+
+def test_kv_cache_scales_under_the_other_names_vllm_reads(base, tmp_path):
+    """Static KV-cache scales under each other name vLLM's loader maps onto its attention (OTHER_KV_NAMES, in every
+    attention module): checked and dropped like the others, giving transformers' tokens; a bad one refused, named;
+    without a kv_cache_scheme refused as a tensor no layer reads."""
+    plain, reference = make_fp8(base, tmp_path / "plain", "compressed-tensors", tmp_path / "reference")
+    kv = add_kv_scales(shutil.copytree(plain, tmp_path / "kv"), "compressed-tensors", OTHER_KV_NAMES)
+    prompt = prompts_of(17, [23])[0]
+    with LLM(kv, kvcache_block_size=16) as llm:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(reference, prompt, 16)
+    for name in OTHER_KV_NAMES:
+        bad = _variant(kv, tmp_path / f"bad-{name}")
+        edit_tensors(bad, replace={f"model.layers.1.self_attn.{name}": torch.tensor([-1.0])})
+        with pytest.raises(ValueError, match=rf"'model.layers.1.self_attn.{re.escape(name)}': static KV-cache scale "
+                                             "-1.0 is not a finite positive number"):
+            LLM(bad)
+    unnamed = _variant(kv, tmp_path / "no-scheme", quantization_config=CT_CONFIG)
+    with pytest.raises(ValueError, match=r"self_attn.attn.k_scale' matches no parameter .*: a static KV-cache scale"):
+        LLM(unnamed)
+
+
 def test_static_kv_cache_scales_under_tensor_parallelism(kv_scales):
     """Every rank reads and checks each (scalar) KV-cache scale whole: TP=2 gives transformers' tokens."""
     _, kv, _, reference = kv_scales
