@@ -81,8 +81,16 @@ class Config:
                 raise TypeError(f"LLM() needs a model: a checkpoint directory (config.json + safetensors) or a .gguf "
                                 f"file; without one it takes the bundled SmolLM2-135M, but {e}") from None
             logging.getLogger("nanovllm").info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
-        from nanovllm.vllm_options import translate
+        from nanovllm.vllm_options import HUB_OPTIONS, translate
         kwargs = translate(model, kwargs)  # vLLM's option names and defaults
+        hub = {name: kwargs.pop(name) for name in HUB_OPTIONS if name in kwargs}
+        for name, value in hub.items():
+            if value is not None and not isinstance(value, str) and not (name == "hf_token" and value is True):
+                raise TypeError(f"{name} must be a str{', True' if name == 'hf_token' else ''} or None, got "
+                                f"{type(value).__name__}")
+        if isinstance(model, str):  # (a Hub id: its snapshot in the Hugging Face cache, fetched if need be)
+            from nanovllm.checkpoint.hub import resolve_model
+            model = resolve_model(model, **hub)
         valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from nanovllm.config import Config
 from nanovllm.llm import LLM
-from nanovllm.vllm_options import ALIASES, DEFAULT_ONLY, NO_EFFECT
+from nanovllm.vllm_options import ALIASES, DEFAULT_ONLY, HUB_OPTIONS, NO_EFFECT
 
 # vLLM's options that LLM(...) takes by name and are no Config field (vllm_options.py), as vLLM's command line types
 # them where their default does not say: a vLLM script's --trust-remote-code, --disable-log-stats or --tokenizer
@@ -57,8 +57,8 @@ class EngineArgs:
         --block-size, --num-gpu-blocks-override, --trust-remote-code, ...); an option left out of the command line
         keeps LLM's default. --model may be left out too, or set with parser.set_defaults(model=...) as vLLM's
         examples do (LLM's default: the bundled SmolLM2-135M)."""
-        parser.add_argument("--model", help="a local checkpoint directory (or .gguf file); default: the bundled "
-                            "SmolLM2-135M")
+        parser.add_argument("--model", help="a local checkpoint directory (or .gguf file) or a Hugging Face Hub "
+                            "id; default: the bundled SmolLM2-135M")
         for name, kind in _cli_options().items():
             flag = "--" + name.replace("_", "-")
             if kind is bool:
@@ -80,6 +80,7 @@ def _defaults() -> dict[str, object]:
                 and f.default is not dataclasses.MISSING}
     defaults.update({vllm: defaults[ours] for vllm, ours in ALIASES.items()})
     defaults.update({name: default for name, (default, _) in DEFAULT_ONLY.items()})
+    defaults.update(dict.fromkeys(HUB_OPTIONS))
     return defaults
 
 
@@ -92,7 +93,7 @@ def _cli_options() -> dict[str, type]:
                 f.type, types.UnionType) else [f.type]
             options[f.name] = kinds[0] if len(kinds) == 1 and kinds[0] in (int, float, bool) else str
     options.update({vllm: options[ours] for vllm, ours in ALIASES.items()})
-    for name in (*DEFAULT_ONLY, *NO_EFFECT, *_VLLM_TYPES):
+    for name in (*DEFAULT_ONLY, *NO_EFFECT, *HUB_OPTIONS, *_VLLM_TYPES):
         default = DEFAULT_ONLY.get(name, (None,))[0]
         options[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
     return options

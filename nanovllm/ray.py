@@ -163,19 +163,20 @@ class Processor:
 def build_processor(model: str, engine_kwargs: dict | None = None, sampling_params: dict | None = None,
                     concurrency: int = 1, num_gpus: float = 0, batch_size: int = 64,
                     max_retries: int | None = None) -> Processor:
-    """A Ray Data processor running `concurrency` LLM replicas of `model` (a path every node can read).
+    """A Ray Data processor running `concurrency` LLM replicas of `model` (a path every node can read, or a
+    Hugging Face Hub id, which each node reads from its own cache or downloads).
 
     engine_kwargs: LLM options; sampling_params: the default SamplingParams fields (a row's own `sampling_params`
     dict overrides them); num_gpus: GPUs per replica (its tensor_parallel_size on GPU, 0 on CPU); batch_size: rows
     per batch an actor generates at once; max_retries: restarts of a dead actor and retries of its batch (None: Ray
     Data's own policy, which restarts dead actors and retries their batches). Unknown or bad options raise here,
     before any actor starts."""
-    from nanovllm.vllm_options import translate
+    from nanovllm.vllm_options import HUB_OPTIONS, translate
     # vLLM's option names (Ray's vLLMEngineProcessorConfig takes vLLM's engine_kwargs), as LLM() maps them; an
     # unsupported non-default one raises ValueError naming it. Also drops vLLM's None-for-default values: seed=None
     # then leaves each actor its own seed instead of seed 0 on every actor.
     engine_kwargs = translate(model, dict(engine_kwargs or {}))
-    valid = [f.name for f in fields(Config) if f.init and f.name != "model"]
+    valid = [f.name for f in fields(Config) if f.init and f.name != "model"] + list(HUB_OPTIONS)
     unknown = sorted(set(engine_kwargs) - set(valid))
     if unknown:
         raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)}")

@@ -4,11 +4,7 @@ to nanovllm's option where nanovllm has the feature, and refused by name, saying
 # option -> vLLM's default; any other value raises, with the reason
 DEFAULT_ONLY = {
     "tokenizer_mode": ("auto", "only the checkpoint's own (Hugging Face) tokenizer is used"),
-    "revision": (None, "nothing is downloaded: pass a local checkpoint directory"),
-    "tokenizer_revision": (None, "nothing is downloaded: pass a local checkpoint directory"),
-    "code_revision": (None, "nothing is downloaded"),
-    "hf_token": (None, "nothing is downloaded"),
-    "download_dir": (None, "nothing is downloaded"),
+    "code_revision": (None, "no remote code is run: nanovllm runs its own model code"),
     "hf_overrides": (None, "config.json is read as it is"),
     "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
     "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
@@ -43,6 +39,8 @@ NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mod
              "max_logprobs", "guided_decoding_backend", "structured_outputs_config", "served_model_name",
              "use_tqdm_on_load", "max_parallel_loading_workers", "disable_cascade_attn",
              "max_seq_len_to_capture")  # (decode CUDA graphs cover every length up to max_model_len)
+# how a Hugging Face Hub id is fetched (checkpoint/hub.py): taken by Config.from_kwargs before the options are checked
+HUB_OPTIONS = ("revision", "tokenizer_revision", "hf_token", "download_dir")
 # vLLM's name -> nanovllm's
 ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # nanovllm options vLLM scripts pass as None for "the default"
@@ -61,6 +59,10 @@ def translate(model: str, kwargs: dict) -> dict:
                                  "accepted)")
         elif name in NO_EFFECT:
             continue
+        elif name == "tokenizer_revision":
+            if value is not None and value != kwargs.get("revision"):
+                raise ValueError(f"tokenizer_revision={value!r} is not supported: the tokenizer is read from the "
+                                 "model's snapshot (its revision); leave tokenizer_revision None")
         elif name == "tokenizer":
             if value is not None and value != model:
                 raise ValueError(f"tokenizer={value!r} is not supported: the tokenizer is read from the model's "

@@ -29,6 +29,7 @@ class Adapter:
 
     request: LoRARequest
     modules: dict[tuple[int, str], tuple[int, float]]
+    path: str  # the adapter's directory: lora_path, or its Hub snapshot where lora_path is a Hub id
     generation: int = 0
 
     @property
@@ -39,7 +40,7 @@ class Adapter:
         """(A [r, in], B [out, r] with the scaling folded in), float32 on the host, per (layer, module)."""
         from safetensors import safe_open
         out = {}
-        with safe_open(os.path.join(self.request.lora_path, WEIGHTS), "pt") as f:
+        with safe_open(os.path.join(self.path, WEIGHTS), "pt") as f:
             for (layer, module), (_, scaling) in self.modules.items():
                 prefix = f"base_model.model.model.layers.{layer}.{_group(module)}.{module}"
                 a = f.get_tensor(f"{prefix}.lora_A.weight").float()
@@ -55,8 +56,11 @@ def _group(module: str) -> str:
 def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
     """The adapter of `request`, checked: ValueError saying what is wrong (missing files, a target nanovllm cannot
     apply, a rank above max_lora_rank, shapes of another base model)."""
-    path = request.lora_path
-    where = f"LoRA adapter {request.lora_name!r} ({path})"
+    from nanovllm.checkpoint.hub import resolve_model
+    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    # (a Hub id, as vLLM takes one: its snapshot in the Hugging Face cache)
+    path = resolve_model(request.lora_path, what=f"LoRA adapter {request.lora_name!r}", local=f"the adapter's "
+                         f"directory (a PEFT LoRA adapter directory holds {CONFIG} and {WEIGHTS})")
     for name in (CONFIG, WEIGHTS):
         if not os.path.isfile(os.path.join(path, name)):
             raise ValueError(f"{where}: no {name}; a PEFT LoRA adapter directory holds {CONFIG} and {WEIGHTS} "
@@ -123,7 +127,7 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         if r > max_rank:
             raise ValueError(f"{where}: {name} has rank {r}, above max_lora_rank={max_rank}; raise max_lora_rank")
         modules[layer, module] = r, alpha / (math.sqrt(r) if rslora else r)
-    return Adapter(request, modules)
+    return Adapter(request, modules, path)
 
 
 # LoRA variants whose adapters are not plain B A updates of the base nanovllm serves

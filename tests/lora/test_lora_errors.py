@@ -80,7 +80,7 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, qwen3_tied, lora_a
         (adapter_copy(lora_attention, tmp_path / "rs", 45, use_rslora="yes"), "use_rslora must be true or false"),
         (adapter_copy(lora_attention, tmp_path / "experts", 46, target_parameters=["mlp.experts.gate_up_proj"],
                       alpha_pattern={"gate_up_proj": 32}), "LoRA on MoE experts is not supported"),
-        (LoRARequest("missing", 30, os.fspath(tmp_path / "nowhere")), "no adapter_config.json"),
+        (LoRARequest("missing", 30, os.fspath(tmp_path / "nowhere")), "nowhere.* does not exist"),
         (LoRARequest("empty", 31, os.fspath(empty)), "no adapter_config.json"),
         (LoRARequest("no_weights", 32, os.fspath(no_weights)), "no adapter_model.safetensors"),
         (lora_mixed, "rank 16, above max_lora_rank=8; raise max_lora_rank"),
