@@ -90,6 +90,64 @@ def test_a_completion_cut_inside_a_character_keeps_its_whole_characters(byte_fal
     assert cut and all(texts == ("é\ufffd",) * 3 for texts in cut)
 
 
+# Byte tokens (hex) and words, and their text as SentencePiece 0.2.3 decodes them (a byte-fallback BPE model of
+# tests/tiny_models.py's corpus): the whole characters of a run that is not valid UTF-8, and U+FFFD for each byte that
+# is no part of one, where Hugging Face's ByteFallback decoder turns every byte of that run into U+FFFD.
+INVALID_RUNS = [
+    (["43", "67", "04", "E9", "\u2581Hel"], "Cg\x04\ufffd Hel"),
+    (["C3", "A9", "E9", "\u2581Hel"], "\u00e9\ufffd Hel"),
+    (["E9", "43", "\u2581Hel"], "\ufffdC Hel"),
+    (["E2", "82", "41"], "\ufffd\ufffdA"),
+    (["C3", "A9", "C3"], "\u00e9\ufffd"),  # (a length cut inside a character)
+]
+
+
+@pytest.mark.parametrize("tokens, text", INVALID_RUNS)
+def test_a_run_of_byte_tokens_that_is_not_utf8_reads_the_same_on_every_path(tokens, text):
+    """Streams and stop strings (IncrementalDetokenizer) and generate's one decode (decode_after) give one text:
+    tokenizer.decode reads the first tokens "\ufffd\ufffd\ufffd\ufffd Hel", and a window's text cut by length (as
+    streams cut it) read the second "\u00e9\ufffd\ufffd Hel", a U+FFFD too many."""
+    from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_after
+    tok = byte_fallback_tokenizer()
+    ids = tok.convert_tokens_to_ids([t if t.startswith("\u2581") else f"<0x{t}>" for t in tokens])
+    context = tok.encode("Hi")
+    assert tok.decode(ids) != text  # (Hugging Face's decode: every byte of the run as U+FFFD)
+    detok = IncrementalDetokenizer(tok, context=context)
+    streamed = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert (streamed, decode_after(tok, context, ids, skip_special_tokens=True)) == (text, text)
+    valid = tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in "\u00e9\U0001f642".encode()])
+    assert decode_after(tok, context, valid) == tok.decode(valid) == "\u00e9\U0001f642"
+
+
+def test_an_output_of_bad_utf8_reads_the_same_through_generate_stream_and_the_engine(byte_fallback):
+    """Byte tokens that are not valid UTF-8, sampled: generate, a stream, a stop string and LLMEngine's three output
+    kinds give each sample the same text, each byte token reading as itself ("C", or U+FFFD for a lone 0xE9)."""
+    from nanovllm.sampling_params import RequestOutputKind
+    llm, tok = byte_fallback, byte_fallback.get_tokenizer()
+    reading = {tok.convert_tokens_to_ids("<0x43>"): "C", tok.convert_tokens_to_ids("<0xE9>"): "\ufffd",
+               tok.convert_tokens_to_ids("\u2581Hel"): " Hel"}
+    fields = dict(n=6, temperature=3.0, seed=3, max_tokens=6, ignore_eos=True, allowed_token_ids=list(reading))
+    outs = llm.generate("Hi", SamplingParams(**fields), use_tqdm=False)[0].outputs
+    expected = ["".join(reading[t] for t in out.token_ids) for out in outs]
+    assert any("C\ufffd" in text or "\ufffdC" in text for text in expected)  # (a run of valid and invalid bytes)
+    assert [out.text for out in outs] == expected
+    assert [out.text for out in llm.generate("Hi", SamplingParams(**fields, stop=["zzz"]), use_tqdm=False)[0].outputs
+            ] == expected
+    streamed = [""] * 6
+    for delta in llm.stream("Hi", SamplingParams(**fields)):
+        streamed[delta["sample_index"]] += delta["text"]
+    assert streamed == expected
+    engine = llm.llm_engine
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "Hi", SamplingParams(**fields, output_kind=kind))
+        texts = [""] * 6
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for sample in out.outputs:
+                    texts[sample.index] = (texts[sample.index] if kind == RequestOutputKind.DELTA else "") + sample.text
+        assert texts == expected, kind
+
+
 def test_of_the_stop_strings_one_step_completes_the_first_listed_wins():
     """vLLM's check_stop_strings: the first string of `stop` found in the text the step added."""
     assert find_stop("abgine", 4, ["ne", "ine"]) == (4, "ne")
