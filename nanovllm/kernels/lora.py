@@ -34,11 +34,12 @@ def _programs_wanted(device: torch.device) -> int:
 
 @triton.jit
 def _tile(order_ptr, slots_ptr, T, BLOCK_T: tl.constexpr):
-    """This program's tokens (rows of x, s and y), which are real, their slots, and the lowest and highest adapter
-    slot among them (lo > hi: none)."""
+    """This program's tokens (rows of x, s and y; int64: a step's rows times a layer's width pass 2**31 elements, e.g.
+    64k tokens through Qwen3-14B's gate_up output of 34816), which are real, their slots, and the lowest and highest
+    adapter slot among them (lo > hi: none)."""
     at = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = at < T
-    rows = tl.load(order_ptr + at, mask=rmask, other=0)
+    rows = tl.load(order_ptr + at, mask=rmask, other=0).to(tl.int64)
     slot = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     lo = tl.min(tl.where(slot >= 0, slot, 1 << 30), axis=0)
     hi = tl.max(slot, axis=0)

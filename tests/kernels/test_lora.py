@@ -67,3 +67,32 @@ def test_gpu_lora_kernels():
                                           ([1] * 1000 + [3] * 24, 3072, 1024, 16)]:
             for grouped in (True, False):
                 check_lora(slots, k, n, rank, dtype, device="cuda", grouped=grouped)
+
+
+@pytest.mark.interpreter
+def test_lora_rows_past_int32_offsets():
+    """A row whose offset (row x the row stride) passes 2**31 elements, as 64k tokens through Qwen3-14B's gate_up
+    output (34816 wide) do: here row 16 of x and y with a stride of 2**28 (a view of 2**32 elements of virtual
+    memory, of which the test touches two rows). In 32 bits its offset wraps to row 0's: shrink reads x[0] and expand
+    updates y[0], leaving y[16]. Rows 0-15 use no adapter (their tile is skipped)."""
+    from nanovllm.kernels.lora import lora_expand_, lora_shrink
+    from nanovllm.lora.stack import lora_reference
+    t, k, n, rank, stride = 17, 32, 48, 16, 1 << 28
+    try:
+        storage = torch.empty(16 * stride + k + n, dtype=torch.float16)  # (untouched pages take no memory)
+    except RuntimeError:
+        pytest.skip("no 8 GiB of address space for the view")
+    x = storage.as_strided((t, k), (stride, 1))
+    y = storage.as_strided((t, n), (stride, 1), k)
+    used = [0, 16]
+    x[used] = torch.randn(2, k, dtype=torch.float16)
+    y[used] = torch.randn(2, n, dtype=torch.float16)
+    a = (torch.randn(2, rank, k) / k ** 0.5).half()
+    b = torch.randn(2, n, rank).half()
+    slots = torch.tensor([-1] * 16 + [0], dtype=torch.int32)
+    before = y[used].clone()
+    expected = lora_reference(x[used].float(), before.float(), a.float(), b.float(), slots[used])
+    order = torch.arange(t, dtype=torch.int32)
+    lora_expand_(y, lora_shrink(x, a, slots, order), b, slots, order)
+    assert torch.equal(y[0], before[0])
+    torch.testing.assert_close(y[16].float(), expected[1], **LORA_TOLERANCES[torch.float16])
