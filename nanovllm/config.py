@@ -60,7 +60,10 @@ class Config:
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (docs/usage.md)
 
     # Filled in by __post_init__ (not options).
-    hf_config: object = field(default=None, init=False, repr=False)
+    hf_config: object = field(default=None, init=False, repr=False)  # the language model's (a multimodal one's text)
+    # tokens that stand for an image in a multimodal checkpoint, {id: its config field}: served without the vision
+    # tower, a prompt holding one is refused
+    image_token_ids: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, init=False)
     primary_eos_token_id: int | None = field(default=None, init=False)  # the tokenizer's (vLLM's primary EOS)
     torch_dtype: torch.dtype = field(default=None, init=False)
@@ -147,7 +150,8 @@ class Config:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
 
         from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config, tokenizer_eos_id
-        self.hf_config = load_hf_config(self.model)
+        from nanovllm.models import language_model_config
+        self.hf_config, self.image_token_ids = language_model_config(load_hf_config(self.model))
         from nanovllm.models.decoder import context_length
         stated = getattr(self.hf_config, "max_position_embeddings", None)
         max_pos = context_length(self.hf_config)

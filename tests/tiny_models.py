@@ -101,15 +101,65 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
     return os.fspath(path)
 
 
+# A multimodal checkpoint's tiny vision towers (their weights are saved, and skipped by nanovllm)
+VISION_CONFIGS = {
+    "gemma3": dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=14),
+    "mistral3": dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, head_dim=16, image_size=28, patch_size=14),
+}
+
+
+def make_multimodal_checkpoint(path, arch: str = "gemma3", tie: bool = True, seed: int = 0, **text) -> str:
+    """Save a tiny random Gemma3ForConditionalGeneration (arch "gemma3") or Mistral3ForConditionalGeneration
+    ("mistral3") with the byte-level BPE tokenizer into `path`, as transformers' save_pretrained writes it (the
+    language model's tensors as language_model.model.* and language_model.lm_head.*, the vision tower's and the
+    projector's beside them); returns the path as str. text: the text_config's sizes and fields (4 layers, hidden 64,
+    4 query and 2 KV heads of 16 unless given). Its vocabulary is the tokenizer's plus four ids: Gemma's begin- and
+    end-of-image tokens and the image token (Mistral's image token is the first of them); tie: the top-level
+    tie_word_embeddings (Mistral3's text_config says untied, as Mistral Small's)."""
+    import transformers
+    tok = _tokenizer()
+    n = len(tok)
+    text = {**dict(vocab_size=n + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                   initializer_range=0.25, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                   pad_token_id=tok.pad_token_id), **text}
+    if arch == "gemma3":
+        config = transformers.Gemma3Config(text_config=text, vision_config=VISION_CONFIGS[arch], mm_tokens_per_image=4,
+                                           boi_token_index=n, eoi_token_index=n + 1, image_token_index=n + 2,
+                                           tie_word_embeddings=tie, initializer_range=text["initializer_range"])
+    else:
+        config = transformers.Mistral3Config(text_config={"model_type": "mistral", "sliding_window": None, **text},
+                                             vision_config=VISION_CONFIGS[arch], image_token_index=n,
+                                             tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    cls = {"gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}[arch]
+    model = getattr(transformers, cls)(config).eval()
+    if arch == "gemma3":
+        with torch.no_grad():  # Gemma's norm weights (1 + w) are zero at init: make them matter; and embeddings
+            # small enough (scaled by sqrt(hidden) in the model) that a tied LM head does not just repeat the input
+            for name, p in model.named_parameters():
+                if "language_model" in name and name.endswith("norm.weight"):
+                    p.normal_(0, 0.08)
+            model.model.language_model.embed_tokens.weight.mul_(0.1)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return os.fspath(path)
+
+
 def load_hf_model(path: str):
-    """A new transformers float32 model of a checkpoint directory (hf_model: a cached one, not to be changed). A
+    """A new transformers float32 model of a checkpoint directory, a multimodal one's as a whole (image-text-to-text;
+    hf_model: a cached one, not to be changed). A
     soft-capped model (Gemma 2) runs transformers' eager attention: some releases' default sdpa path drops the
     soft-cap without a word (5.17: other tokens from the 3rd of a continuation in test_sliding_window.py), later
     ones refuse it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    soft_capped = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) is not None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(path)
+    soft_capped = getattr(config, "attn_logit_softcapping", None) is not None
     kwargs = {"attn_implementation": "eager"} if soft_capped else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    auto = AutoModelForImageTextToText if getattr(config, "text_config", None) is not None else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 hf_model = functools.lru_cache(maxsize=8)(load_hf_model)

@@ -4,7 +4,7 @@ A model is a Hugging Face checkpoint directory (config.json + *.safetensors) or 
 is converted once into a cached directory of the same kind (see nanovllm/checkpoint/gguf.py)."""
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from glob import glob
 
 import torch
@@ -127,21 +127,22 @@ def tokenizer_eos_id(model: str) -> int | None:
     return None
 
 
-def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor) pairs of a checkpoint directory or a (converted) GGUF file."""
-    return iter_safetensors(resolve_checkpoint(model))
+def iter_weights(model: str, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) pairs of a checkpoint directory or a (converted) GGUF file; tensors whose name `skip` takes
+    are not read."""
+    return iter_safetensors(resolve_checkpoint(model), skip)
 
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
-def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model: str, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint directory, from the files transformers reads: model.safetensors where there is
     one (re-saving a sharded model unsharded leaves the old index beside it); else the files
     model.safetensors.index.json maps, each mapped tensor from its mapped file (stale shards of an earlier save, or
     Mistral's consolidated.safetensors, may sit beside them); else every *.safetensors. ValueError for an index that
     maps no tensors, names an absent file or a tensor its file lacks, and for a tensor in two files that no index
-    tells apart."""
+    tells apart. A tensor whose name `skip` takes is not read (nor yielded)."""
     from safetensors import safe_open
     index, weight_map = os.path.join(model, INDEX), {}
     if os.path.isfile(os.path.join(model, SINGLE)):
@@ -173,7 +174,8 @@ def iter_safetensors(model: str) -> Iterator[tuple[str, torch.Tensor]]:
                                         f": remove the stale file (or add the checkpoint's {INDEX}, which names the "
                                         "file each tensor is read from)"))
                 seen[name] = file
-                yield name, f.get_tensor(name)
+                if skip is None or not skip(name):
+                    yield name, f.get_tensor(name)
     unread = [name for name in weight_map if name not in seen]
     if unread:
         raise ValueError(f"{index} maps {unread[0]!r} to {weight_map[unread[0]]}, which lacks it"
@@ -281,13 +283,31 @@ def _checked_only(name: str, checks: dict):
     return None
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
+def _checkpoint_prefix(name: str, prefixes: dict[str, str | None]) -> tuple[str, str | None] | None:
+    """(checkpoint prefix, our prefix) of the first of a model's `checkpoint_prefixes` that tensor `name` starts
+    with (our prefix None: a tensor of another part of the checkpoint, such as a multimodal checkpoint's vision
+    tower, which the model does not load), or None."""
+    return next(((theirs, ours) for theirs, ours in prefixes.items() if name.startswith(theirs)), None)
+
+
+def _another_part(name: str, prefixes: dict[str, str | None]) -> bool:
+    """Whether tensor `name` is of another part of the checkpoint than the model (not to be read)."""
+    prefix = _checkpoint_prefix(name, prefixes)
+    return prefix is not None and prefix[1] is None
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | str, source: str,
                        require_all: bool = True):
     """Route each (checkpoint name, tensor) to its parameter's weight_loader (packed q/k/v and gate/up too), or to
     the model's check for a tensor it reads only to check (`checked_weights`: a static KV-cache scale; ValueError
-    naming a bad one), after which it is dropped. require_all: every parameter, and every shard of a packed one, must
-    be loaded (a checkpoint); otherwise any subset may be (a weight update). `source` names the weights' origin, for
-    errors."""
+    naming a bad one), after which it is dropped. `weights`: the pairs, or a checkpoint path to read them from. Names
+    are first read through the model's `checkpoint_prefixes` (_checkpoint_prefix): a tensor that is not the model's is
+    skipped, and not read from a path. require_all: every parameter, and every shard of a packed one, must be loaded (a
+    checkpoint); otherwise any subset may be (a weight update). `source` names the weights' origin, for errors."""
+    prefixes = getattr(model, "checkpoint_prefixes", {})
+    if isinstance(weights, str):
+        weights = iter_weights(weights, lambda name: _another_part(name, prefixes))
+    spelled: dict[str, str] = {}  # our prefix -> the checkpoint's, as its names show (to name a missing tensor)
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_weights_mapping", {})
     aliases = getattr(model, "module_aliases", {})
@@ -300,16 +320,22 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weights must be (name, tensor) pairs with a str name, got ({name!r:.60}, "
                             f"{type(tensor).__name__})")
-        if name in skip or name.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
+        ours, prefix = name, _checkpoint_prefix(name, prefixes) if prefixes else None
+        if prefix is not None:
+            if prefix[1] is None:
+                continue
+            ours = prefix[1] + name[len(prefix[0]):]
+            spelled.setdefault(prefix[1], prefix[0])
+        if ours in skip or ours.split(".")[-2:] == ["rotary_emb", "inv_freq"]:
             continue
-        check = _checked_only(name, checks) if checks else None
+        check = _checked_only(ours, checks) if checks else None
         if check is not None:  # (per-tensor scalars: every rank checks the whole tensor)
             try:
                 check(tensor)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             continue
-        ours = ".".join(aliases.get(segment, segment) for segment in name.split(".")) if aliases else name
+        ours = ".".join(aliases.get(segment, segment) for segment in ours.split(".")) if aliases else ours
         routed = route_expert_weight(ours, experts)
         if routed is not None:  # (how this checkpoint spells the experts, for naming a missing one)
             theirs, proj = name.rsplit(".", 3)[0], name.rsplit(".", 2)[1]
@@ -334,25 +360,30 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         loaded.add(pname if shard_id is None else (pname, shard_id))
     if not require_all:
         return
+    def spell(ours: str) -> str:  # one of our names as this checkpoint's names show it
+        prefix = next((p for p in spelled if ours.startswith(p)), None)
+        return ours if prefix is None else spelled[prefix] + ours[len(prefix):]
+
     missing = []
     for pname, param in params.items():
         sources = _packed_sources(pname, packed)
         shard_ids = getattr(param, "shard_ids", None)  # stacked experts: loaded whole, or every expert's shards
         if shard_ids is not None:
             if pname not in loaded:
-                spelling = spellings.get(pname.rpartition(".")[0])
-                missing += [_expert_source(pname, experts, e, s, spelling) for e, s in shard_ids
+                spelling = spellings.get(pname.rpartition(".")[0])  # (the checkpoint's own, where known)
+                missing += [_expert_source(pname, experts, e, s, spelling) if spelling else
+                            spell(_expert_source(pname, experts, e, s)) for e, s in shard_ids
                             if (pname, (e, s)) not in loaded]
         elif sources:
-            missing += [name for name, shard_id in sources if (pname, shard_id) not in loaded]
+            missing += [spell(name) for name, shard_id in sources if (pname, shard_id) not in loaded]
         elif pname not in loaded:
-            missing.append(pname)
+            missing.append(spell(pname))
     if missing:
         raise ValueError(f"checkpoint {source!r} lacks weights for: {', '.join(missing[:8])}")
 
 
 def load_weights(model: nn.Module, path: str):
-    load_named_weights(model, iter_weights(path), path)
+    load_named_weights(model, path, path)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0):

@@ -35,8 +35,10 @@ HF_CONFIG_FIELDS = (
 )
 
 # Keys with which transformers reads more than config.json's fields as they stand: remote code, another file,
-# per-layer overrides, renamed attributes, rotary embeddings on part of each head.
-_TRANSFORMERS_ONLY = ("auto_map", "configuration_files", "per_layer_config", "attribute_map", "partial_rotary_factor")
+# per-layer overrides, renamed attributes, rotary embeddings on part of each head, a nested model's config (a
+# multimodal checkpoint's text_config, which transformers makes into its own config class).
+_TRANSFORMERS_ONLY = ("auto_map", "configuration_files", "per_layer_config", "attribute_map", "partial_rotary_factor",
+                      "text_config")
 
 _DEFAULT_ROPE_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta (no family here overrides it)
 

@@ -5,7 +5,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from nanovllm.checkpoint.loader import init_dummy_weights, iter_weights, load_named_weights, load_weights
+from nanovllm.checkpoint.loader import init_dummy_weights, load_named_weights, load_weights
 from nanovllm.config import Config
 from nanovllm.distributed.group import TPGroup, building_for
 from nanovllm.engine import kv_cache, warmup
@@ -183,8 +183,8 @@ class ModelRunner:
     def check_weights(self, weights: list | str, require_all: bool = False):
         """Raise ValueError/TypeError for a name or shape that does not fit (or, with require_all, a weight
         missing), without changing any weight: the same routing and checks as loading, against a meta copy."""
-        load_named_weights(self._layout_copy(), iter_weights(weights) if isinstance(weights, str) else weights,
-                           weights if isinstance(weights, str) else "update_weights", require_all)
+        load_named_weights(self._layout_copy(), weights, weights if isinstance(weights, str) else "update_weights",
+                           require_all)
 
     @torch.inference_mode()
     def update_weights(self, weights: list | str, require_all: bool = False):
@@ -193,8 +193,7 @@ class ModelRunner:
         packed again after, into new storage: layers/cpu_weights.py)."""
         source = weights if isinstance(weights, str) else "update_weights"
         with cpu_weights.unpacked_on_write(self.model):
-            load_named_weights(self.model, iter_weights(weights) if isinstance(weights, str) else weights, source,
-                               require_all)
+            load_named_weights(self.model, weights, source, require_all)
         if self.is_cuda:
             torch.cuda.synchronize()
 

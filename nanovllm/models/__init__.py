@@ -1,6 +1,8 @@
 """Model registry keyed by config.json's `architectures`.
 
-Every family is the one shared decoder in decoder.py; a family is only the flags it sets."""
+Every family is the one shared decoder in decoder.py; a family is only the flags it sets. A multimodal checkpoint
+(MULTIMODAL) is served as its language model, one of these families, for text prompts."""
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -104,39 +106,90 @@ MODEL_FLAGS: dict[str, Callable[[object], DecoderFlags]] = {
 }
 
 
-# Checkpoints nanovllm recognizes and does not run, with what to do instead.
-REFUSED = {
-    "Gemma3ForConditionalGeneration": "a multimodal Gemma 3 checkpoint (vision tower and language model): nanovllm "
-                                      "runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM, such as gemma-3-1b-it, "
-                                      "or a text-only export of a larger one)",
+# Multimodal checkpoints whose language model nanovllm serves, for text prompts (as vLLM serves text prompts to them,
+# without multi_modal_data): architecture -> (the language model's architecture, the model_type its text_config must
+# have). The language model runs on the config's text_config (language_model_config); its tensors load under
+# LANGUAGE_MODEL_PREFIXES, and the vision tower's and projector's are skipped unread.
+MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),  # gemma-3-4b/12b/27b
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),  # Mistral Small 3.1 / 3.2
 }
+# A multimodal checkpoint's tensor names -> ours (checkpoint name prefix -> our prefix; None: a tensor of the vision
+# tower or the projector, which nanovllm skips unread). The original uploads (Google's, Mistral's), and transformers
+# 5's save_pretrained, write language_model.model.* and language_model.lm_head.*; transformers 5's modules (a
+# trainer's state_dict, update_weights) are model.language_model.* and lm_head.*.
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.", "language_model.lm_head.": "lm_head.", "model.language_model.": "model.",
+    **dict.fromkeys(("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+                    None),
+}
+# Top-level fields naming tokens that stand for an image (Gemma 3's begin-of-image token opens the image's tokens)
+IMAGE_TOKEN_FIELDS = ("image_token_index", "boi_token_index")
+
+
+def language_model_config(config) -> tuple[object, dict[int, str]]:
+    """(the config the engine runs, {token id: its config field} of the tokens that stand for an image). A text
+    model's config is itself (and no image tokens). For a MULTIMODAL checkpoint: a copy of its text_config naming
+    the multimodal architecture, with what the engine reads from the top level carried over: quantization_config
+    (compression_config) and dtype where the text config has none, the top level's EOS ids before its own, and
+    tie_word_embeddings false where either level says so (transformers ties a multimodal model's LM head by the top
+    level's flag, whose class default is true, but unties a stored LM head that differs from the embedding, as
+    Mistral Small's does: its text_config says untied)."""
+    archs = getattr(config, "architectures", None) or []
+    text = getattr(config, "text_config", None)
+    arch = next((a for a in archs if a in MULTIMODAL), None)
+    if arch is None or text is None:
+        return config, {}
+    _, model_type = MULTIMODAL[arch]
+    if getattr(text, "model_type", None) != model_type:
+        raise ValueError(f"{arch}'s text_config has model_type {getattr(text, 'model_type', None)!r}: nanovllm serves "
+                         f"its language model for text_config model_type {model_type!r} only")
+    text = copy.deepcopy(text)
+    text.architectures = [arch]
+    for name in ("quantization_config", "compression_config", "dtype"):
+        if getattr(text, name, None) is None and getattr(config, name, None) is not None:
+            setattr(text, name, getattr(config, name))
+    eos = [i for level in (config, text) for value in [getattr(level, "eos_token_id", None)]
+           for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
+    text.eos_token_id = list(dict.fromkeys(eos)) or None
+    text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)) and \
+        bool(getattr(config, "tie_word_embeddings", True))
+    image_tokens = {getattr(config, name): name for name in IMAGE_TOKEN_FIELDS
+                    if isinstance(getattr(config, name, None), int)}
+    return text, image_tokens
 
 
 def _architecture(config) -> str:
+    """The registry's key for `config`: a family of MODEL_FLAGS, or a MULTIMODAL architecture (its language model's
+    config, from language_model_config)."""
     archs = getattr(config, "architectures", None) or []
     if getattr(config, "text_config", None) is not None:  # (a composite config: the text model's fields sit inside)
         raise ValueError(f"config.json (architectures {archs}) nests a text_config, as a multimodal checkpoint's "
-                         "does: nanovllm runs text-only checkpoints (for Gemma 3: Gemma3ForCausalLM, such as "
-                         "gemma-3-1b-it, or a text-only export of a larger one)")
+                         f"does: nanovllm serves the language model of {' and '.join(MULTIMODAL)} checkpoints (for "
+                         "text prompts), and text-only checkpoints")
     for arch in archs:
-        if arch in MODEL_FLAGS:
+        if arch in MODEL_FLAGS or arch in MULTIMODAL:
             return arch
-    for arch in archs:
-        if arch in REFUSED:
-            raise ValueError(f"{arch} is not supported: {REFUSED[arch]}")
     raise ValueError(f"unsupported architecture {archs or '(config.json names none)'}; "
-                     f"supported: {', '.join(MODEL_FLAGS)}")
+                     f"supported: {', '.join([*MODEL_FLAGS, *MULTIMODAL])}")
+
+
+def _flags(config, arch: str) -> DecoderFlags:
+    return MODEL_FLAGS[MULTIMODAL[arch][0] if arch in MULTIMODAL else arch](config)
 
 
 def check_model_config(config) -> list[int]:
     """Fail early, before any weight is read, on a model this engine would run wrongly (the families' flags check
     their config; layer_types must cover every layer). Returns the sliding windows the layers use, each once, in
     increasing order ([] for none)."""
-    flags = MODEL_FLAGS[_architecture(config)](config)
+    flags = _flags(config, _architecture(config))
     return sorted({w for w in layer_windows(config, flags) if w})
 
 
 def build_model(config) -> DecoderForCausalLM:
     """Build the model named by config.architectures (on the current default device and dtype)."""
     arch = _architecture(config)
-    return DecoderForCausalLM(config, MODEL_FLAGS[arch](config))
+    model = DecoderForCausalLM(config, _flags(config, arch))
+    if arch in MULTIMODAL:  # (the language model of a multimodal checkpoint: its tensors' names)
+        model.checkpoint_prefixes = LANGUAGE_MODEL_PREFIXES
+    return model

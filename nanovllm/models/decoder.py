@@ -262,6 +262,9 @@ class DecoderForCausalLM(nn.Module):
         "w1": ("gate_up_proj", GATE), "w3": ("gate_up_proj", UP), "w2": ("down_proj", 0),  # Mixtral's names
     }
     module_aliases = {"block_sparse_moe": "mlp"}  # Mixtral checkpoints' name of the MoE MLP
+    # checkpoint name prefix -> ours, None for tensors of the checkpoint that are not this model's (skipped unread);
+    # see loader.load_named_weights. A multimodal checkpoint's language model sets it (models.LANGUAGE_MODEL_PREFIXES)
+    checkpoint_prefixes: dict[str, str | None] = {}
 
     def __init__(self, config, flags: DecoderFlags):
         super().__init__()

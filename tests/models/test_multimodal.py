@@ -1,0 +1,200 @@
+"""Multimodal checkpoints served as their language model, for text prompts: tiny random
+Gemma3ForConditionalGeneration (SigLIP tower; three sliding-window layers to one global) and
+Mistral3ForConditionalGeneration (Pixtral tower) checkpoints, saved by transformers, give transformers' own model's
+greedy tokens in float32, in both tensor layouts; the vision tower is never read; a missing tensor is named; weight
+updates take the multimodal model's names."""
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanovllm import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_multimodal_checkpoint
+
+WINDOW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+MODELS = {
+    # Gemma 3: q/k norms, 16-token windows on layers 0-2, layer 3 global with its own rope base; tied LM head
+    "gemma3": dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    # Mistral Small's shape: no window, an LM head of its own (config.json: untied at both levels)
+    "mistral3": dict(arch="mistral3", tie=False, num_hidden_layers=2),
+}
+OTHER_PARTS = ("vision_tower.", "multi_modal_projector.")
+# transformers 5's module names (model.language_model.*, lm_head.*), from the layout save_pretrained writes
+IN_MEMORY = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
+             "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request, tmp_path_factory) -> str:
+    return make_multimodal_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **MODELS[request.param])
+
+
+def renamed(path: str, target, rename: dict[str, str], drop: tuple[str, ...] = ()) -> str:
+    """A copy of checkpoint `path` with its tensors' name prefixes replaced by `rename` and `drop` left out."""
+    target = shutil.copytree(path, target)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        prefix = next((p for p in rename if name.startswith(p)), None)
+        out[name if prefix is None else rename[prefix] + name[len(prefix):]] = tensor
+    save_file({k: v for k, v in out.items() if k not in drop}, os.path.join(target, "model.safetensors"))
+    return os.fspath(target)
+
+
+def check(llm: LLM, reference: str, batch: list[list[int]]):
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        assert out["token_ids"] == hf_greedy(reference, prompt, GREEDY.max_tokens), len(prompt)
+
+
+def test_language_model_gives_transformers_tokens(model, monkeypatch):
+    """Prompts past the window, prefilled in 24-token chunks, two sharing a 40-token prefix (a prefix-cache hit):
+    transformers' multimodal model's greedy tokens on text-only prompts. The loader reads every language-model tensor
+    and none of the vision tower's or the projector's."""
+    import safetensors
+    names = load_file(os.path.join(model, "model.safetensors"))
+    assert any(n.startswith(OTHER_PARTS) for n in names) and any(n.startswith("language_model.") for n in names)
+    assert not any(n.startswith("model.") for n in names)  # (transformers 5.25 saves the original layout)
+    read = []
+    opened = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    shared = prompts(2, [40])[0]
+    batch = prompts(1, [3, 40, 97]) + [shared + p for p in prompts(3, [5, 30])]
+    with LLM(model, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24,
+             enable_chunked_prefill=True) as llm:
+        monkeypatch.undo()
+        assert llm.config.hf_config.architectures == [json.load(open(os.path.join(model, "config.json")))
+                                                       ["architectures"][0]]
+        check(llm, model, batch[:4])
+        outs = llm.generate(batch[4:], GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens >= 32
+    assert outs[0]["token_ids"] == hf_greedy(model, batch[4], GREEDY.max_tokens)
+    assert sorted(read) == sorted(n for n in names if n.startswith("language_model.")
+                                  and not (n.endswith("lm_head.weight") and llm.config.hf_config.tie_word_embeddings))
+
+
+def test_transformers_module_names_load_the_same(model, tmp_path):
+    """The layout of transformers 5's modules (model.language_model.*, lm_head.weight, model.vision_tower.*), as some
+    uploads and any state_dict name the tensors: the same tokens."""
+    other = renamed(model, tmp_path / "renamed", IN_MEMORY)
+    assert set(load_file(os.path.join(other, "model.safetensors"))) >= \
+        set(n for n in load_hf_model(model).state_dict() if not n.endswith("lm_head.weight"))
+    with LLM(other, kvcache_block_size=16, max_model_len=256) as llm:
+        check(llm, model, prompts(4, [7, 60]))
+
+
+def test_a_missing_language_model_tensor_is_named(model, tmp_path):
+    """In either layout, a missing tensor of the language model is refused under the checkpoint's name for it; one of
+    the vision tower missing is nothing to the language model."""
+    layer = "layers.1.mlp.down_proj.weight"
+    cases = [(renamed(model, tmp_path / "original", {}, drop=(f"language_model.model.{layer}",)),
+              f"language_model.model.{layer}"),
+             (renamed(model, tmp_path / "in_memory", IN_MEMORY, drop=(f"model.language_model.{layer}",)),
+              f"model.language_model.{layer}")]
+    for path, name in cases:
+        with pytest.raises(ValueError, match=f"lacks weights for: {name}$"):
+            LLM(path, kvcache_block_size=16, max_model_len=256)
+    vision = next(n for n in load_file(os.path.join(model, "model.safetensors")) if n.startswith("vision_tower."))
+    with LLM(renamed(model, tmp_path / "no_vision", {}, drop=(vision,)), kvcache_block_size=16,
+             max_model_len=256) as llm:
+        check(llm, model, prompts(5, [20]))
+
+
+def test_mistral3_lm_head_missing_and_tied_only_at_the_top_level(tmp_path):
+    """transformers' Mistral3Config ties at the top level by default while its text_config (Mistral Small's) says
+    untied: nanovllm unties where either says so, so such a checkpoint without an LM head of its own is refused naming
+    it, never run on the embedding."""
+    path = make_multimodal_checkpoint(tmp_path / "tied_top", arch="mistral3", tie=True, num_hidden_layers=2)
+    assert not any("lm_head" in n for n in load_file(os.path.join(path, "model.safetensors")))
+    with pytest.raises(ValueError, match="lacks weights for: lm_head.weight"):
+        LLM(path, kvcache_block_size=16, max_model_len=256)
+
+
+def test_update_weights_with_the_multimodal_models_names(model, tmp_path):
+    """update_weights takes transformers' multimodal model's state_dict (model.language_model.*, the vision tower's
+    skipped) and a multimodal checkpoint directory; after sleep(level=2), every language-model weight is required and
+    given by the state_dict. A name that is no part of the language model is refused."""
+    arch = json.load(open(os.path.join(model, "config.json")))["model_type"]
+    other = make_multimodal_checkpoint(tmp_path / "other", seed=8, **MODELS[arch])
+    batch = prompts(6, [4, 50])
+    with LLM(model, kvcache_block_size=16, max_model_len=256) as llm:
+        state = hf_model(other).state_dict()
+        assert any(n.startswith("model.vision_tower.") for n in state)
+        llm.update_weights(state)
+        check(llm, other, batch)
+        llm.update_weights(model)  # (a directory: language_model.model.*, the vision tower's unread)
+        check(llm, model, batch)
+        llm.sleep(level=2)
+        with pytest.raises(ValueError, match="lacks weights for: model.language_model.layers.0"):
+            llm.update_weights({n: t for n, t in state.items() if ".layers.0." not in n})
+        llm.update_weights(state)
+        llm.wake_up(["kv_cache"])
+        check(llm, other, batch)
+        with pytest.raises(ValueError, match="'model.language_model.layers.0.extra.weight' matches no parameter"):
+            llm.update_weights({"model.language_model.layers.0.extra.weight": torch.zeros(2)})
+
+
+def test_the_language_model_config():
+    """What the engine reads of a multimodal config: the text_config, naming the multimodal architecture, with the top
+    level's quantization config and dtype where it has none, its EOS ids first, and untied where either level says
+    so; the image tokens; a text_config of another family, and other multimodal architectures, refused."""
+    from transformers import Gemma3Config, LlavaConfig, Mistral3Config
+
+    from nanovllm.models import check_model_config, language_model_config
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, num_hidden_layers=2)
+    gemma = Gemma3Config(text_config=small, architectures=["Gemma3ForConditionalGeneration"], dtype="bfloat16",
+                         eos_token_id=[1, 106], quantization_config=quant, boi_token_index=60, image_token_index=62)
+    text, images = language_model_config(gemma)
+    assert text is not gemma.text_config and gemma.text_config.architectures is None
+    assert (text.architectures, text.dtype, text.quantization_config, text.eos_token_id, text.tie_word_embeddings) == \
+        (["Gemma3ForConditionalGeneration"], torch.bfloat16, quant, [1, 106], True)
+    assert images == {62: "image_token_index", 60: "boi_token_index"}
+    assert check_model_config(text) == [gemma.text_config.sliding_window]
+    gemma.tie_word_embeddings = False
+    assert language_model_config(gemma)[0].tie_word_embeddings is False
+    mistral = Mistral3Config(text_config={"model_type": "mistral", **small},
+                             architectures=["Mistral3ForConditionalGeneration"])
+    text, images = language_model_config(mistral)
+    assert (mistral.tie_word_embeddings, text.tie_word_embeddings, images) == (True, False, {10: "image_token_index"})
+    mistral.text_config.model_type = "ministral3"
+    with pytest.raises(ValueError, match="text_config has model_type 'ministral3': nanovllm serves its language "
+                                         "model for text_config model_type 'mistral' only"):
+        language_model_config(mistral)
+    llava = LlavaConfig(text_config={"model_type": "llama", **small}, architectures=["LlavaForConditionalGeneration"])
+    assert language_model_config(llava) == (llava, {})
+    with pytest.raises(ValueError, match="nests a text_config, as a multimodal checkpoint's does: nanovllm serves the "
+                                         "language model of Gemma3ForConditionalGeneration and "
+                                         "Mistral3ForConditionalGeneration checkpoints"):
+        check_model_config(llava)
