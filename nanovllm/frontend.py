@@ -78,7 +78,7 @@ class Frontend:
         chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3. Returns one
         RequestOutput per conversation, as generate() does."""
         if mm_processor_kwargs is not None:
-            raise ValueError("mm_processor_kwargs is not supported: nanovllm serves text-only models; pass None")
+            raise ValueError("mm_processor_kwargs is not supported: nanovllm serves text prompts only; pass None")
         if chat_template_content_format not in _CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(map(repr, _CONTENT_FORMATS))}, "
                              f"got {chat_template_content_format!r}")
@@ -191,7 +191,7 @@ def _content_part(part, where: str) -> dict | None:
     """One content part, normalized as vLLM's _parse_chat_message_content_part does: a plain str and the text-like
     types become a text part (a "thinking" part's text too: vLLM keeps it as text, it does not move it to the
     reasoning), a "tool_reference" keeps its name; None for a part vLLM skips. Anything else (images, audio,
-    video, unknown types) is refused: nanovllm serves text-only models."""
+    video, unknown types) is refused: nanovllm serves text prompts only."""
     if isinstance(part, str):
         return {"type": "text", "text": part}
     kind = part.get("type") if isinstance(part, dict) else None
@@ -204,7 +204,7 @@ def _content_part(part, where: str) -> dict | None:
         return {"type": "text", "text": text}
     if kind == "tool_reference" and isinstance(part.get("name"), str):
         return {"type": "tool_reference", "name": part["name"]}
-    raise ValueError(f"{where}: unsupported content part {part!r:.80}: nanovllm serves text-only models; a part is a "
+    raise ValueError(f"{where}: unsupported content part {part!r:.80}: nanovllm serves text prompts only; a part is a "
                      f"str or a dict of type {', '.join(map(repr, _TEXT_PARTS))} or 'tool_reference' (with its name)")
 
 

@@ -2,9 +2,10 @@
 from typing import TypedDict
 
 # vLLM's prompt-dict keys nanovllm has no use for: refused by name rather than ignored
-_UNSUPPORTED = {"multi_modal_data": "nanovllm serves text-only models", "mm_processor_kwargs": "no multimodal models",
+_UNSUPPORTED = {"multi_modal_data": "nanovllm serves text prompts only (a multimodal checkpoint's language model, "
+                                    "without its vision tower)", "mm_processor_kwargs": "no multimodal inputs",
                 "cache_salt": "the prefix cache is not salted", "token_type_ids": "no pooling models",
-                "multi_modal_uuids": "no multimodal models"}
+                "multi_modal_uuids": "no multimodal inputs"}
 
 
 class TextPrompt(TypedDict):

@@ -8,8 +8,10 @@ DEFAULT_ONLY = {
     "hf_overrides": (None, "config.json is read as it is"),
     "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
     "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
-    "mm_processor_kwargs": (None, "nanovllm serves text-only models"),
-    "limit_mm_per_prompt": (None, "nanovllm serves text-only models"),
+    "mm_processor_kwargs": (None, "nanovllm serves text prompts only"),
+    # (and every modality at 0, vLLM's way to serve a multimodal checkpoint's text: _no_media)
+    "limit_mm_per_prompt": (None, "nanovllm serves text prompts only; every modality's limit at 0 (vLLM's "
+                                  "text-only setting, e.g. {'image': 0}) is accepted too"),
     "task": ("auto", "nanovllm generates text only (no pooling or embedding tasks)"),
     "runner": ("auto", "nanovllm generates text only"),
     "override_pooler_config": (None, "no pooling models"),
@@ -18,14 +20,14 @@ DEFAULT_ONLY = {
     "distributed_executor_backend": (None, "ranks run in spawned processes (mp); for Ray use nanovllm.ray"),
     "calculate_kv_scales": (False, "an fp8 KV cache scales each token and head as it is written"),
     "speculative_config": (None, "no speculative decoding"),
-    "allowed_local_media_path": ("", "nanovllm serves text-only models"),
+    "allowed_local_media_path": ("", "nanovllm serves text prompts only"),
     "kv_transfer_config": (None, "no disaggregated prefill"),
     "logits_processors": (None, "use SamplingParams' logit_bias, allowed_token_ids or bad_words"),
     "skip_tokenizer_init": (False, "the tokenizer is loaded to find the stop tokens; to skip detokenizing, pass "
                                    "SamplingParams(detokenize=False)"),
     "kv_cache_memory_bytes": (None, "size the cache with gpu_memory_utilization or num_gpu_blocks_override"),
     "pooler_config": (None, "no pooling models"),
-    "allowed_media_domains": (None, "nanovllm serves text-only models"),
+    "allowed_media_domains": (None, "nanovllm serves text prompts only"),
     "generation_config": ("auto", "the checkpoint's generation_config.json is always read for the defaults"),
     "override_generation_config": (None, "pass SamplingParams instead"),
     "scheduling_policy": ("fcfs", "requests are scheduled first come, first served"),
@@ -48,10 +50,18 @@ NONE_MEANS_DEFAULT = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_c
                       "kvcache_block_size", "num_gpu_blocks_override", "num_kvcache_blocks")
 
 
+def _no_media(limits) -> bool:
+    """Whether vLLM's limit_mm_per_prompt allows no media at all: every modality at 0 (or {"count": 0, ...})."""
+    return isinstance(limits, dict) and bool(limits) and all(
+        (limit.get("count") if isinstance(limit, dict) else limit) == 0 for limit in limits.values())
+
+
 def translate(model: str, kwargs: dict) -> dict:
     """nanovllm's options from a mix of nanovllm's and vLLM's; ValueError naming an unsupported non-default one."""
     out = {}
     for name, value in kwargs.items():
+        if name == "limit_mm_per_prompt" and _no_media(value):
+            continue
         if name in DEFAULT_ONLY:
             default, reason = DEFAULT_ONLY[name]
             if value != default:

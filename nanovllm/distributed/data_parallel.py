@@ -293,7 +293,8 @@ class DataParallelLLM(Frontend):
             raise
         self.requests = RequestChecker(config.hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
                                        config.kvcache_block_size, min(self.num_kvcache_blocks), self.tokenizer,
-                                       config.model, longer=config.longer_prompts)  # (grammars: _check_requests)
+                                       config.model, longer=config.longer_prompts,
+                                       image_token_ids=config.image_token_ids)  # (grammars: _check_requests)
         logger.info("data parallel: %d replicas, %s", n, f"GPUs {gpus}" if gpus else f"{threads} CPU threads each")
 
     # ---- talking to replicas ----------------------------------------------------------------------

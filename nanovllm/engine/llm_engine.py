@@ -208,7 +208,8 @@ class LLMEngine:
             self.scheduler.lora = LoRAManager(config)
         self.requests = RequestChecker(self.vocab_size, config.max_model_len, config.max_num_seqs,
                                        config.kvcache_block_size, self.num_kvcache_blocks, self.tokenizer, config.model,
-                                       longer=config.longer_prompts)
+                                       longer=config.longer_prompts,
+                                       image_token_ids=config.image_token_ids)
         # One caller at a time: generate, a started stream, step and the weight and memory calls each hold it. A
         # second caller (another thread, or this one while its stream is open) is refused at once.
         self._exclusive = CallGuard()

@@ -3,7 +3,7 @@ model. One engine and the data-parallel front check with the same code, so a bad
 replica works on a call."""
 from collections.abc import Callable
 from copy import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 
 from nanovllm.inputs import TextPrompt, TokensPrompt, prompt_parts
@@ -68,6 +68,8 @@ class RequestChecker:
     model: str
     compile_grammar: Callable | None = None
     longer: str = "raise max_model_len"  # how a longer prompt would fit (the error's advice)
+    # a multimodal checkpoint's tokens that stand for an image, {id: its config field}: refused in a prompt
+    image_token_ids: dict[int, str] = field(default_factory=dict)
 
     def tokenize(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
         """The prompt's token ids (its last `truncate`, where given: _truncate_text for a text prompt), checked
@@ -93,6 +95,12 @@ class RequestChecker:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # (one pass each in C, not a Python loop)
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if self.image_token_ids and not self.image_token_ids.keys().isdisjoint(token_ids):
+            token = next(t for t in token_ids if t in self.image_token_ids)
+            raise ValueError(f"prompt holds token id {token}, this multimodal checkpoint's "
+                             f"{self.image_token_ids[token]} (a token that stands for an image): nanovllm serves its "
+                             "language model, for text prompts, without the vision tower (vLLM needs the image too, "
+                             "as multi_modal_data, which nanovllm does not take); remove the image's tokens")
         # (The engine refuses at start a cache of fewer than max_model_len tokens, so such a prompt always fits.)
         max_len = self.max_model_len
         if len(token_ids) > max_len:

@@ -152,11 +152,11 @@ def test_tool_reference_parts(llm):
 
 @pytest.mark.parametrize("message, match", [
     ({"role": "user", "content": 3}, "'content' must be a str"),
-    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}, "text-only"),
-    ({"role": "user", "content": [{"image_url": "http://x/a.png"}]}, "text-only"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}, "text prompts only"),
+    ({"role": "user", "content": [{"image_url": "http://x/a.png"}]}, "text prompts only"),
     ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]},
-     "text-only"),
-    ({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/a.mp4"}}]}, "text-only"),
+     "text prompts only"),
+    ({"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/a.mp4"}}]}, "text prompts only"),
     ({"role": "user", "content": [{"type": "html", "html": "<b>"}]}, "unsupported content part"),
     ({"role": "user", "content": [3]}, "unsupported content part"),
     # vLLM skips only text and refusal parts without their text: it joins these Nones (a TypeError)

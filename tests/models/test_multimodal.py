@@ -1,8 +1,8 @@
 """Multimodal checkpoints served as their language model, for text prompts: tiny random
 Gemma3ForConditionalGeneration (SigLIP tower; three sliding-window layers to one global) and
 Mistral3ForConditionalGeneration (Pixtral tower) checkpoints, saved by transformers, give transformers' own model's
-greedy tokens in float32, in both tensor layouts; the vision tower is never read; a missing tensor is named; weight
-updates take the multimodal model's names."""
+greedy tokens in float32, in both tensor layouts; the vision tower is never read; image tokens in a prompt are
+refused; a missing tensor is named; weight updates take the multimodal model's names."""
 import json
 import os
 import random
@@ -111,6 +111,42 @@ def test_transformers_module_names_load_the_same(model, tmp_path):
         set(n for n in load_hf_model(model).state_dict() if not n.endswith("lm_head.weight"))
     with LLM(other, kvcache_block_size=16, max_model_len=256) as llm:
         check(llm, model, prompts(4, [7, 60]))
+
+
+def test_image_tokens_are_refused_and_the_engine_serves_on(model):
+    """A prompt holding a token that stands for an image (the image token; Gemma's begin-of-image token) needs the
+    vision tower: refused when submitted, naming the config field; the next request is served. Chat image parts are
+    refused too. vLLM's text-only setting, limit_mm_per_prompt={"image": 0}, is taken; a limit above 0 is not."""
+    config = json.load(open(os.path.join(model, "config.json")))
+    fields = ["image_token_index"] + (["boi_token_index"] if "boi_token_index" in config else [])
+    with pytest.raises(ValueError, match="limit_mm_per_prompt=.* is not supported: nanovllm serves text prompts only"):
+        LLM(model, limit_mm_per_prompt={"image": 1})
+    with LLM(model, kvcache_block_size=16, max_model_len=256, limit_mm_per_prompt={"image": 0}) as llm:
+        for field in fields:
+            token = config[field]
+            for prompt in ([5, token, 6], {"prompt_token_ids": [token]}):
+                with pytest.raises(ValueError, match=f"prompt holds token id {token}, this multimodal checkpoint's "
+                                                     f"{field} .* without the vision tower"):
+                    llm.generate([[5, 6, 7], prompt], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="unsupported content part"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
+                     chat_template="{{ messages }}")
+        # (Gemma's end-of-image token alone is an ordinary token)
+        check(llm, model, [[5, 6, 7], [9, config.get("eoi_token_index", 8), 3]])
+
+
+def test_tensor_and_data_parallel_engines(tmp_path):
+    """TP=2 (gloo): each rank loads its shards under the multimodal names; DP=2: the replicas serve the language model
+    and the front refuses an image token."""
+    path = make_multimodal_checkpoint(tmp_path / "gemma3", seed=7, **MODELS["gemma3"])
+    batch = prompts(7, [40, 9])
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        check(llm, path, batch)
+    token = json.load(open(os.path.join(path, "config.json")))["image_token_index"]
+    with LLM(path, data_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        with pytest.raises(ValueError, match=f"prompt holds token id {token}"):
+            llm.generate([[4, token]], GREEDY, use_tqdm=False)
+        check(llm, path, batch)
 
 
 def test_a_missing_language_model_tensor_is_named(model, tmp_path):
