@@ -16,6 +16,8 @@ MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 # (a layer index as PEFT writes it: "layers.00" would pass here and name no tensor when the weights are read)
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
+# module names of a multimodal model's parts (an adapter PEFT made on one names its layers under language_model)
+_MULTIMODAL_PARTS = ("language_model", "vision_tower", "multi_modal_projector")
 # state that VeLoRA and MonteCLoRA use only while training (in eval PEFT computes plain B A x with them), saved too
 _TRAINING_ONLY = re.compile(r".*\.lora_(velora_embed|monteclora_sampler\.\w+)")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -92,6 +94,10 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         if _TRAINING_ONLY.fullmatch(key):
             continue
         match = _KEY.fullmatch(key)
+        if match is None and any(f".{part}." in key for part in _MULTIMODAL_PARTS):
+            raise ValueError(f"{where}: weight {key!r} is a multimodal model's (its language model or vision tower, "
+                             "as PEFT names them on a ...ForConditionalGeneration): nanovllm applies adapters of the "
+                             "text model's modules only (base_model.model.model.layers.<n>...)")
         if match is None:
             raise ValueError(f"{where}: weight {key!r} is not a LoRA A/B matrix of a decoder layer's attention or MLP "
                              "projection; embedding, lm_head and modules_to_save targets and DoRA are not supported")

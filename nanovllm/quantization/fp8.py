@@ -378,13 +378,15 @@ def _quantizes_all(config: QuantConfig, name: str, sources: list[list[str]]) -> 
 
 def _aliased(model: nn.Module, name: str) -> list[str]:
     """`name` (one of our module paths) and the other paths a checkpoint may give it (Mixtral's block_sparse_moe for
-    our mlp: the model's module_aliases read backwards)."""
+    our mlp, a multimodal checkpoint's language_model.model for our model: the model's module_aliases and
+    checkpoint_prefixes read backwards)."""
     names = [name]
     for theirs, ours in getattr(model, "module_aliases", {}).items():
         segments = name.split(".")
         if ours in segments:
             names.append(".".join(theirs if s == ours else s for s in segments))
-    return names
+    return names + [theirs + n[len(ours):] for theirs, ours in getattr(model, "checkpoint_prefixes", {}).items()
+                    for n in names if ours is not None and n.startswith(ours)]
 
 
 def _expert_sources(model: nn.Module, name: str, num_experts: int) -> list[list[str]]:

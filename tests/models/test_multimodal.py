@@ -40,15 +40,16 @@ def model(request, tmp_path_factory) -> str:
     return make_multimodal_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **MODELS[request.param])
 
 
-def renamed(path: str, target, rename: dict[str, str], drop: tuple[str, ...] = ()) -> str:
-    """A copy of checkpoint `path` with its tensors' name prefixes replaced by `rename` and `drop` left out."""
+def renamed(path: str, target, rename: dict[str, str], drop: tuple[str, ...] = (),
+            file: str = "model.safetensors") -> str:
+    """A copy of checkpoint (or adapter) `path` with its tensors' name prefixes replaced by `rename` and `drop` (the
+    new names) left out."""
     target = shutil.copytree(path, target)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
     out = {}
-    for name, tensor in tensors.items():
+    for name, tensor in load_file(os.path.join(path, file)).items():
         prefix = next((p for p in rename if name.startswith(p)), None)
         out[name if prefix is None else rename[prefix] + name[len(prefix):]] = tensor
-    save_file({k: v for k, v in out.items() if k not in drop}, os.path.join(target, "model.safetensors"))
+    save_file({k: v for k, v in out.items() if k not in drop}, os.path.join(target, file))
     return os.fspath(target)
 
 
@@ -198,6 +199,56 @@ def test_update_weights_with_the_multimodal_models_names(model, tmp_path):
         check(llm, other, batch)
         with pytest.raises(ValueError, match="'model.language_model.layers.0.extra.weight' matches no parameter"):
             llm.update_weights({"model.language_model.layers.0.extra.weight": torch.zeros(2)})
+
+
+def test_fp8_language_models(tmp_path):
+    """A compressed-tensors FP8 checkpoint of the multimodal model (its vision tower quantized too, and skipped) whose
+    ignore list names one language-model layer as the checkpoint does (language_model.model.layers.0.mlp.down_proj,
+    stored float32) gives transformers' tokens on the dequantized weights; quantization="fp8" quantizes the language
+    model at load as it does a text model."""
+    from tests.quantization.checkpoints import CT_CONFIG, edit_config, edit_tensors, make_fp8
+    base = make_multimodal_checkpoint(tmp_path / "base", seed=7, **MODELS["gemma3"])
+    fp8, reference = make_fp8(base, tmp_path / "fp8", "compressed-tensors", tmp_path / "reference")
+    batch = prompts(9, [5, 40])
+    with LLM(base, quantization="fp8", kvcache_block_size=16, max_model_len=256) as llm:
+        check(llm, reference, batch)
+    kept = "language_model.model.layers.0.mlp.down_proj"
+    weight = load_file(os.path.join(base, "model.safetensors"))[f"{kept}.weight"]
+    edit_tensors(fp8, drop=(f"{kept}.weight_scale",), replace={f"{kept}.weight": weight})
+    reference = os.fspath(shutil.copytree(reference, tmp_path / "reference_kept"))  # (hf_greedy caches by path)
+    edit_tensors(reference, replace={f"{kept}.weight": weight})
+    edit_config(fp8, quantization_config={**CT_CONFIG, "ignore": ["lm_head", "re:vision_tower.*",
+                                                                  "re:multi_modal_projector.*", kept]})
+    with LLM(fp8, kvcache_block_size=16, max_model_len=256) as llm:
+        assert llm.config.quant is not None
+        check(llm, reference, batch)
+    assert any(hf_greedy(base, p, GREEDY.max_tokens) != hf_greedy(reference, p, GREEDY.max_tokens) for p in batch)
+
+
+def test_lora_adapters_of_the_multimodal_model_are_refused(tmp_path):
+    """An adapter PEFT made on the multimodal model names its layers model.language_model.layers.<n> (and the vision
+    tower's): refused naming one, as nanovllm applies adapters of the text model's module names only, and the engine
+    serves on. The same language-model matrices under the text model's names give transformers + PEFT's tokens with
+    the whole adapter (its vision-tower part changes nothing for a text prompt)."""
+    pytest.importorskip("peft")
+    from nanovllm import LoRARequest
+    from tests.lora.adapters import make_adapter, peft_greedy
+    base = make_multimodal_checkpoint(tmp_path / "base", seed=7, **MODELS["gemma3"])
+    adapter = make_adapter(base, tmp_path / "lora", 4, ["q_proj", "down_proj"], scale=3.0)
+    weights = "adapter_model.safetensors"
+    text = renamed(adapter, tmp_path / "text_lora",
+                   {"base_model.model.model.language_model.": "base_model.model.model."},
+                   drop=tuple(n for n in load_file(os.path.join(adapter, weights)) if "vision_tower" in n),
+                   file=weights)
+    batch = prompts(10, [6, 40])
+    with LLM(base, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="weight 'base_model.model.model.language_model.layers.0.* is a "
+                                             "multimodal model's"):
+            llm.generate(batch, GREEDY, lora_request=LoRARequest("mm", 1, adapter), use_tqdm=False)
+        outs = llm.generate(batch, GREEDY, lora_request=LoRARequest("text", 2, text), use_tqdm=False)
+    wants = [peft_greedy(base, adapter, prompt, GREEDY.max_tokens) for prompt in batch]
+    assert [out["token_ids"] for out in outs] == wants
+    assert any(want != hf_greedy(base, prompt, GREEDY.max_tokens) for prompt, want in zip(batch, wants))
 
 
 def test_the_language_model_config():
