@@ -360,6 +360,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         loaded.add(pname if shard_id is None else (pname, shard_id))
     if not require_all:
         return
+
     def spell(ours: str) -> str:  # one of our names as this checkpoint's names show it
         prefix = next((p for p in spelled if ours.startswith(p)), None)
         return ours if prefix is None else spelled[prefix] + ours[len(prefix):]

@@ -162,6 +162,8 @@ VARIANTS = {
     "no model_type": (_without(QWEN3, "model_type"), False),
     "qwen3_moe": (json.loads((BENCHMARK_CONFIGS / "qwen3-30b-a3b" / "config.json").read_text()), False),
     "auto_map": ({**QWEN3, "auto_map": {"AutoConfig": "configuration_x.XConfig"}}, False),
+    # (a multimodal checkpoint's nested text model: transformers makes it a config class of its own)
+    "mistral with a text_config": ({**MISTRAL, "text_config": _without(MISTRAL, "architectures")}, False),
 }
 
 
