@@ -14,6 +14,7 @@ DEFAULT_ONLY = {
                                   "text-only setting, e.g. {'image': 0}) is accepted too"),
     "task": ("auto", "nanovllm generates text only (no pooling or embedding tasks)"),
     "runner": ("auto", "nanovllm generates text only"),
+    "convert": ("auto", "nanovllm generates text only (no conversion to a pooling model)"),
     "override_pooler_config": (None, "no pooling models"),
     "compilation_config": (None, "nanovllm does not use torch.compile; enforce_eager turns CUDA graphs off"),
     "pipeline_parallel_size": (1, "no pipeline parallelism: use tensor_parallel_size or data_parallel_size"),
@@ -36,6 +37,9 @@ DEFAULT_ONLY = {
     "model_impl": ("auto", "nanovllm runs its own model code"),
     "config_format": ("auto", "config.json (or the .gguf header) is read"),
 }
+# other values that name what nanovllm does, accepted as the default is
+SAME_AS_DEFAULT = {"task": ("generate",), "runner": ("generate",), "convert": ("none",), "tokenizer_mode": ("hf",),
+                   "config_format": ("hf",)}
 # accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
 NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",
              "max_logprobs", "guided_decoding_backend", "structured_outputs_config", "served_model_name",
@@ -64,8 +68,10 @@ def translate(model: str, kwargs: dict) -> dict:
             continue
         if name in DEFAULT_ONLY:
             default, reason = DEFAULT_ONLY[name]
-            if value != default:
-                raise ValueError(f"{name}={value!r} is not supported: {reason} (vLLM's default {default!r} is "
+            same = SAME_AS_DEFAULT.get(name, ())
+            if value != default and value not in same:
+                also = "".join(f" or {v!r}" for v in same)
+                raise ValueError(f"{name}={value!r} is not supported: {reason} (vLLM's default {default!r}{also} is "
                                  "accepted)")
         elif name in NO_EFFECT:
             continue

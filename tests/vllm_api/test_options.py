@@ -55,6 +55,16 @@ def test_a_non_default_vllm_option_is_refused_by_name(model, name):
         LLM(model, **{name: other})
 
 
+def test_vllm_values_that_name_what_nanovllm_does(model):
+    """vLLM's task="generate", runner="generate", convert="none", tokenizer_mode="hf" and config_format="hf" ask
+    for what nanovllm does: accepted as the defaults are; other values are still refused, naming both."""
+    cfg = Config.from_kwargs(model, task="generate", runner="generate", convert="none", tokenizer_mode="hf",
+                             config_format="hf")
+    assert cfg.max_model_len == 2048
+    with pytest.raises(ValueError, match=r"^runner='pooling' is not supported: .*'auto' or 'generate' is accepted"):
+        Config.from_kwargs(model, runner="pooling")
+
+
 @pytest.mark.parametrize("name", NO_EFFECT)
 def test_options_without_effect_are_accepted(model, name):
     cfg = Config.from_kwargs(model, **{name: True})
