@@ -37,9 +37,11 @@ DEFAULT_ONLY = {
     "model_impl": ("auto", "nanovllm runs its own model code"),
     "config_format": ("auto", "config.json (or the .gguf header) is read"),
 }
-# other values that name what nanovllm does, accepted as the default is
+# other values that name what nanovllm does, accepted as the default is (an empty dict: nothing overridden, vLLM's
+# default for some of these)
 SAME_AS_DEFAULT = {"task": ("generate",), "runner": ("generate",), "convert": ("none",), "tokenizer_mode": ("hf",),
-                   "config_format": ("hf",)}
+                   "config_format": ("hf",), "hf_overrides": ({},), "limit_mm_per_prompt": ({},),
+                   "mm_processor_kwargs": ({},), "override_generation_config": ({},), "compilation_config": ({},)}
 # accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
 NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",
              "max_logprobs", "guided_decoding_backend", "structured_outputs_config", "served_model_name",

@@ -56,11 +56,19 @@ def test_a_non_default_vllm_option_is_refused_by_name(model, name):
 
 
 def test_vllm_values_that_name_what_nanovllm_does(model):
-    """vLLM's task="generate", runner="generate", convert="none", tokenizer_mode="hf" and config_format="hf" ask
-    for what nanovllm does: accepted as the defaults are; other values are still refused, naming both."""
+    """vLLM's task="generate", runner="generate", convert="none", tokenizer_mode="hf" and config_format="hf", and
+    an empty dict of overrides, ask for what nanovllm does: accepted as the defaults are; other values are still
+    refused, naming both."""
     cfg = Config.from_kwargs(model, task="generate", runner="generate", convert="none", tokenizer_mode="hf",
                              config_format="hf")
     assert cfg.max_model_len == 2048
+    # an empty dict overrides nothing (vLLM's default for hf_overrides, limit_mm_per_prompt and
+    # override_generation_config; CompilationConfig's own defaults)
+    empty = ("hf_overrides", "limit_mm_per_prompt", "mm_processor_kwargs", "override_generation_config",
+             "compilation_config")
+    assert Config.from_kwargs(model, **{name: {} for name in empty}).max_model_len == 2048
+    with pytest.raises(ValueError, match=r"^hf_overrides=\{'rope_theta': 1\} is not supported: .* None or \{\} is"):
+        Config.from_kwargs(model, hf_overrides={"rope_theta": 1})
     with pytest.raises(ValueError, match=r"^runner='pooling' is not supported: .*'auto' or 'generate' is accepted"):
         Config.from_kwargs(model, runner="pooling")
 
