@@ -19,6 +19,10 @@ _VLLM_TYPES = {"trust_remote_code": bool, "disable_custom_all_reduce": bool, "en
                "max_parallel_loading_workers": int, "max_seq_len_to_capture": int, "swap_space": float,
                "cpu_offload_gb": float, "tokenizer": str}
 
+# vLLM's short flags for these options (-tp 2 is --tensor-parallel-size 2; -O3 is --compilation-config 3)
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+                "quantization": "-q", "compilation_config": "-O"}
+
 
 class EngineArgs:
     """vLLM's EngineArgs: the model and LLM(...)'s options (nanovllm's, and vLLM's names it takes: docs/usage.md,
@@ -54,17 +58,17 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """--model and one --flag per option (nanovllm's Config fields, and vLLM's names LLM(...) takes:
-        --block-size, --num-gpu-blocks-override, --trust-remote-code, ...); an option left out of the command line
-        keeps LLM's default. --model may be left out too, or set with parser.set_defaults(model=...) as vLLM's
-        examples do (LLM's default: the bundled SmolLM2-135M)."""
+        --block-size, --num-gpu-blocks-override, --trust-remote-code, ...; vLLM's short flags -tp, -pp, -dp, -q and -O
+        too); an option left out of the command line keeps LLM's default. --model may be left out too, or set with
+        parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled SmolLM2-135M)."""
         parser.add_argument("--model", help="a local checkpoint directory (or .gguf file) or a Hugging Face Hub "
                             "id; default: the bundled SmolLM2-135M")
         for name, kind in _cli_options().items():
-            flag = "--" + name.replace("_", "-")
+            flags = ["--" + name.replace("_", "-"), *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else [])]
             if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
             else:
-                parser.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+                parser.add_argument(*flags, type=kind, default=argparse.SUPPRESS)
         return parser
 
     @classmethod

@@ -398,6 +398,16 @@ def test_engine_args_take_vllm_flags(model):
         LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
 
 
+def test_engine_args_take_vllm_short_flags(model):
+    """vLLM's short flags -tp, -pp, -dp, -q and -O (-O3 written together, as vLLM's scripts do) name the options
+    their long flags do."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", model, "-tp", "2", "-pp", "1", "-dp", "1", "-q", "fp8", "-O3"])
+    assert EngineArgs.from_cli_args(args).options == dict(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                                          data_parallel_size=1, quantization="fp8",
+                                                          compilation_config="3")
+
+
 def test_engine_args_read_their_defaults(model):
     """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; options named like
     EngineArgs' own attributes do not replace them (LLM(...) refuses them as unknown)."""
