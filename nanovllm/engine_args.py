@@ -2,6 +2,7 @@
 for LLMEngine.from_engine_args."""
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import fields
@@ -22,6 +23,30 @@ _VLLM_TYPES = {"trust_remote_code": bool, "disable_custom_all_reduce": bool, "en
 # vLLM's short flags for these options (-tp 2 is --tensor-parallel-size 2; -O3 is --compilation-config 3)
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
                 "quantization": "-q", "compilation_config": "-O"}
+
+# options vLLM's command line reads as sizes (human_readable_int)
+_SIZES = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int | None:
+    """A size as vLLM's command line reads one: '1k' is 1000 and '25.6k' 25600 (decimal suffixes k, m, g, t), '32K'
+    is 32768 (binary suffixes K, M, G, T, whole numbers only), a plain number is itself; 'None' or '' is None (the
+    option's default)."""
+    value = value.strip()
+    if value in ("", "None"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value)
+    if match is None:
+        return int(value)  # (argparse reports a ValueError as an invalid value)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
 
 
 class EngineArgs:
@@ -89,7 +114,8 @@ def _defaults() -> dict[str, object]:
 
 
 def _cli_options() -> dict[str, type]:
-    """Option name -> the type its command-line value parses as (str for an option of several types)."""
+    """Option name -> the type its command-line value parses as (str for an option of several types; sizes as
+    human_readable_int)."""
     options = {}
     for f in fields(Config):
         if f.init and f.name != "model":
@@ -100,4 +126,5 @@ def _cli_options() -> dict[str, type]:
     for name in (*DEFAULT_ONLY, *NO_EFFECT, *HUB_OPTIONS, *_VLLM_TYPES):
         default = DEFAULT_ONLY.get(name, (None,))[0]
         options[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
+    options.update(dict.fromkeys(_SIZES, human_readable_int))
     return options

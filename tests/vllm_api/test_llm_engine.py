@@ -408,6 +408,22 @@ def test_engine_args_take_vllm_short_flags(model):
                                                           compilation_config="3")
 
 
+def test_engine_args_read_sizes_as_vllm_does(model):
+    """--max-model-len, --max-num-batched-tokens and --kv-cache-memory-bytes take vLLM's sizes: 1k is 1000, 25.6k
+    25600, 32K 32768; None the default. A decimal with a binary suffix is argparse's error, as in vLLM."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", model, "--max-model-len", "32K", "--max-num-batched-tokens", "25.6k",
+                              "--kv-cache-memory-bytes", "1G"])
+    assert EngineArgs.from_cli_args(args).options == dict(max_model_len=32768, max_num_batched_tokens=25600,
+                                                          kv_cache_memory_bytes=2**30)
+    args = parser.parse_args(["--max-model-len", "1k", "--max-num-batched-tokens", "2048"])
+    assert EngineArgs.from_cli_args(args).options == dict(max_model_len=1000, max_num_batched_tokens=2048)
+    assert parser.parse_args(["--max-model-len", "None"]).max_model_len is None
+    for bad in ("1.5K", "1x", "k"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", bad])
+
+
 def test_engine_args_read_their_defaults(model):
     """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; options named like
     EngineArgs' own attributes do not replace them (LLM(...) refuses them as unknown)."""
