@@ -2,6 +2,7 @@
 for LLMEngine.from_engine_args."""
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -47,6 +48,24 @@ def human_readable_int(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
                                          f"{number}{suffix.lower()}?")
     return int(number) * _BINARY_SUFFIXES[suffix]
+
+# options vLLM's command line reads as JSON (dicts, or a config's fields)
+_JSON = ("hf_overrides", "limit_mm_per_prompt", "mm_processor_kwargs", "override_generation_config",
+         "compilation_config", "speculative_config", "kv_transfer_config", "pooler_config", "override_pooler_config",
+         "structured_outputs_config")
+
+
+def json_value(value: str):
+    """A JSON-valued option as vLLM's command line reads one: '{"a": 1}' is that dict (a bad one is argparse's
+    error), '3' is 3; 'None' or '' is None (the default); other text stays text."""
+    if value.strip() in ("", "None"):
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        if value.lstrip().startswith(("{", "[")):
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON: {e}") from None
+        return value
 
 
 class EngineArgs:
@@ -115,7 +134,7 @@ def _defaults() -> dict[str, object]:
 
 def _cli_options() -> dict[str, type]:
     """Option name -> the type its command-line value parses as (str for an option of several types; sizes as
-    human_readable_int)."""
+    human_readable_int, dicts and configs as json_value)."""
     options = {}
     for f in fields(Config):
         if f.init and f.name != "model":
@@ -127,4 +146,5 @@ def _cli_options() -> dict[str, type]:
         default = DEFAULT_ONLY.get(name, (None,))[0]
         options[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
     options.update(dict.fromkeys(_SIZES, human_readable_int))
+    options.update(dict.fromkeys(_JSON, json_value))
     return options

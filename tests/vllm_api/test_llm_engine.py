@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.config import Config
 from nanovllm.engine.call_guard import Busy
 from nanovllm.sampling_params import RequestOutputKind
 from tests.compare import assert_logprobs_close
@@ -405,7 +406,7 @@ def test_engine_args_take_vllm_short_flags(model):
     args = parser.parse_args(["--model", model, "-tp", "2", "-pp", "1", "-dp", "1", "-q", "fp8", "-O3"])
     assert EngineArgs.from_cli_args(args).options == dict(tensor_parallel_size=2, pipeline_parallel_size=1,
                                                           data_parallel_size=1, quantization="fp8",
-                                                          compilation_config="3")
+                                                          compilation_config=3)
 
 
 def test_engine_args_read_sizes_as_vllm_does(model):
@@ -422,6 +423,24 @@ def test_engine_args_read_sizes_as_vllm_does(model):
     for bad in ("1.5K", "1x", "k"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-len", bad])
+
+
+def test_engine_args_read_json_flags(model):
+    """Dict- and config-valued flags read JSON, as vLLM's command line does: the empty dict, vLLM's default for
+    --hf-overrides, is accepted; a dict of overrides is refused by LLM(...) naming it, as in code."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", model, "--hf-overrides", "{}", "--limit-mm-per-prompt", "{}",
+                              "--compilation-config", "{}", "--speculative-config", "None"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.options == dict(hf_overrides={}, limit_mm_per_prompt={}, compilation_config={},
+                                       speculative_config=None)
+    assert Config.from_kwargs(model, **engine_args.options).max_model_len == 2048
+    args = parser.parse_args(["--model", model, "--hf-overrides", '{"rope_theta": 1000000}'])
+    with pytest.raises(ValueError, match=r"^hf_overrides=\{'rope_theta': 1000000\} is not supported"):
+        LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    assert parser.parse_args(["--compilation-config", '{"level": 0}']).compilation_config == {"level": 0}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides", '{"rope_theta": 1'])
 
 
 def test_engine_args_read_their_defaults(model):
