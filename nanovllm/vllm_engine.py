@@ -213,8 +213,9 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         return self.llm.list_loras()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.llm.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        with self._lock:  # (a step in another thread finishes first)
+            return self.llm.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level)

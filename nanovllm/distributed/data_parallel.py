@@ -627,7 +627,8 @@ class DataParallelLLM(Frontend):
             raise error
         return [r for replica in results for r in replica]
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Every replica's (between calls no replica runs a request, so there is nothing to preempt)."""
         _, error = self._on_every_replica("reset_prefix_cache", "reset_prefix_cache")
         if error is not None:
             raise error

@@ -279,11 +279,25 @@ class LLMEngine:
             self._check_idle("collective_rpc")
             return self.executor.collective_rpc(method, tuple(args or ()), kwargs)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block (vLLM's name), e.g. after changing weights some other way. True, as vLLM
-        returns when it resets (RL scripts assert it); RuntimeError while requests are running."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix block (vLLM's name and arguments), e.g. after changing weights some other way.
+        True once reset, as vLLM returns (RL scripts assert it). Requests added with add_request that hold KV blocks
+        (running, or mid-prefill) are vLLM's case: with reset_running_requests they are preempted first (a step in
+        flight settled, their blocks freed; each is computed again, its tokens so far kept, when it is next
+        scheduled), without it nothing changes and the answer is False. reset_connector: there is no KV connector
+        to reset."""
         with self._exclusive("reset_prefix_cache"):
-            self._check_idle("reset_prefix_cache")
+            if self.scheduler.block_manager.used_block_ids or self._pending is not None or self._unsettled is not None:
+                if not reset_running_requests:
+                    logger.warning("reset_prefix_cache(): requests hold KV blocks; nothing reset (pass "
+                                   "reset_running_requests=True to preempt them first)")
+                    return False
+                with self._stepping:
+                    if self._unsettled is not None:  # (a settle that raised: its tokens come first, as in a step)
+                        self._settle(self._unsettled)
+                    if self._pending is not None:
+                        self._settle()
+                    self.scheduler.preempt_all()
             self.scheduler.block_manager.reset_prefix_cache()
             return True
 

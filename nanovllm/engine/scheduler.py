@@ -182,6 +182,19 @@ class Scheduler:
         mid_prefill = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if mid_prefill else 0, seq)
 
+    def preempt_all(self):
+        """Free every sequence's KV blocks (reset_prefix_cache(reset_running_requests=True)): the running go back
+        to the head of waiting in their order, and a prompt mid-prefill starts again (its chunks' prompt logprobs
+        with it); each is computed again when it is next scheduled."""
+        if self.waiting and self.waiting[0].block_table:
+            seq = self.waiting[0]
+            self.block_manager.deallocate(seq)
+            if seq.needs_prompt_logprobs:
+                seq.prompt_logprobs = seq.new_logprobs()
+        for seq in reversed(self.running):
+            self.preempt(seq)
+        self.running.clear()
+
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None,
                     prompt_logprobs: list | None = None) -> list[Sequence]:
         """After a step: count the K/V it computed, put each sampled token at its out_index, and finish sequences on

@@ -238,6 +238,55 @@ def test_aborting_every_request_leaves_the_engine_idle(llm):
     assert outs[-1].outputs[0].token_ids == llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
 
 
+def test_reset_prefix_cache_with_requests_running(llm):
+    """vLLM's llm_engine_reset_kv.py: reset_prefix_cache mid-loop. Without reset_running_requests it changes nothing
+    and returns False, as vLLM's; with it the running requests are preempted (their blocks freed, a step in flight
+    settled first), the cache is emptied, and every request still ends as generate() gives it."""
+    engine, requests = llm.llm_engine, _requests(llm)
+    expected = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt, params in requests]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+    for step in range(8):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        if step == 2:
+            hits = llm.scheduler.block_manager.hash_to_block_id.copy()
+            assert hits and engine.reset_prefix_cache() is False
+            assert llm.scheduler.block_manager.hash_to_block_id == hits  # (nothing reset)
+            assert engine.reset_prefix_cache(reset_running_requests=True) is True
+            assert not llm.scheduler.block_manager.hash_to_block_id and not llm.scheduler.running
+            assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, want in enumerate(expected):
+        _same([_fields(c) for c in finals[str(i)].outputs], want)
+        got = finals[str(i)].prompt_logprobs
+        assert (got is None) == (want.prompt_logprobs is None)
+        if got is not None:
+            assert got[0] is None and want.prompt_logprobs[0] is None
+            assert_logprobs_close(got[1:], want.prompt_logprobs[1:])
+    assert llm.is_finished() and llm.reset_prefix_cache() is True
+
+
+def test_reset_prefix_cache_mid_prefill(model):
+    """A prompt half prefilled (chunks of 16 tokens) when its blocks are reset starts again: the same tokens and
+    prompt logprobs as generate() gives, each prompt position scored once."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=1)
+    prompt = list(range(3, 43))
+    with LLM(model, max_num_batched_tokens=16, **SMALL) as llm:
+        want = llm.generate([prompt], params, use_tqdm=False)[0]
+        llm.reset_prefix_cache()
+        seq = llm.add_request(prompt, params)
+        llm.step()
+        assert seq.block_table and not seq.is_finished
+        assert llm.reset_prefix_cache(reset_running_requests=True) and not seq.block_table
+        while not seq.is_finished:
+            llm.step()
+        assert seq.completion_token_ids == want.outputs[0].token_ids
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(prompt)
+        assert_logprobs_close(llm._logprobs(seq.prompt_logprobs[1:], True), want.prompt_logprobs[1:])
+
+
 def test_a_request_ended_by_a_stop_leaves_the_engine_idle(llm):
     """Under async scheduling the step after a stop token was launched before the stop was seen: once the last
     request is returned the LLM is idle all the same, so sleep, update_weights and reset_prefix_cache run (an RL
