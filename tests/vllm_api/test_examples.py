@@ -203,12 +203,10 @@ def test_nano_vllm_script_calls(llm):
 
 
 def test_llm_engine_example(bundled, capsys):
-    """vLLM's examples/offline_inference/llm_engine_example.py (argparse.ArgumentParser for vLLM's
-    FlexibleArgumentParser): EngineArgs from the command line, one request added a step, finished outputs
-    printed."""
-    import argparse
-
+    """vLLM's examples/offline_inference/llm_engine_example.py: EngineArgs from the command line, one request added
+    a step, finished outputs printed."""
     from nanovllm import EngineArgs, LLMEngine, RequestOutput
+    from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
     def create_test_prompts() -> list[tuple[str, SamplingParams]]:
         return [
@@ -232,7 +230,7 @@ def test_llm_engine_example(bundled, capsys):
                     print(request_output)
                     print("-" * 50)
 
-    parser = argparse.ArgumentParser(description="Demo on using the LLMEngine class directly")
+    parser = FlexibleArgumentParser(description="Demo on using the LLMEngine class directly")
     parser = EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", bundled, "--max-model-len", "1024"])
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))

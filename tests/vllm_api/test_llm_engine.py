@@ -492,6 +492,28 @@ def test_engine_args_read_json_flags(model):
         parser.parse_args(["--hf-overrides", '{"rope_theta": 1'])
 
 
+def test_flexible_argument_parser(model):
+    """vLLM's FlexibleArgumentParser, where vLLM's examples import it (nanovllm.utils.argparse_utils, and
+    nanovllm.utils as older vLLM had it): --flag_name reads as --flag-name; dotted keys of a JSON flag merge into
+    one dict (-O.level too); a script's own flags, values such as -0.5 and what follows -- are left alone."""
+    from nanovllm.utils import FlexibleArgumentParser as Older
+    from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+    assert Older is FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--model", model, "--max_model_len", "1k", "--enforce_eager", "--temperature", "-0.5",
+                              "--hf-overrides.rope_scaling.factor", "4", "--hf_overrides.rope_theta=1e6",
+                              "-O.level", "0", "--", "--x_y.z"])
+    assert (args.max_model_len, args.enforce_eager, args.temperature, args.rest) == (1000, True, -0.5, ["--x_y.z"])
+    assert args.hf_overrides == {"rope_scaling": {"factor": 4}, "rope_theta": 1e6}
+    assert args.compilation_config == {"level": 0}
+    args, unknown = parser.parse_known_args(["--max_num_seqs=8", "--no_such_flag"])
+    assert (args.max_num_seqs, unknown) == (8, ["--no-such-flag"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides.rope_theta"])
+
+
 def test_engine_args_read_their_defaults(model):
     """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; options named like
     EngineArgs' own attributes do not replace them (LLM(...) refuses them as unknown)."""
