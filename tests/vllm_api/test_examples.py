@@ -1,6 +1,7 @@
 """vLLM's offline examples, each written as a vLLM user writes it with `from nanovllm import ...` as the only change,
 on the bundled SmolLM2-135M-Instruct (conftest's `llm`): basic, chat, n > 1, seeds, logprobs, prompt_logprobs,
-structured outputs, token-id prompts, the model's default sampling parameters, beam search."""
+structured outputs, token-id prompts, the model's default sampling parameters, beam search, prefix caching (two LLMs
+in one process), the LLMEngine loop."""
 import json
 import math
 import re
@@ -200,6 +201,36 @@ def test_nano_vllm_script_calls(llm):
                for p in ("introduce yourself", "list all prime numbers within 100")]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=8))
     assert all(isinstance(output["text"], str) and output["text"] for output in outputs)
+
+
+def test_prefix_caching_example(bundled):
+    """vLLM's examples/offline_inference/prefix_caching.py: an LLM without prefix caching, `del` and
+    cleanup_dist_env_and_memory(), then one with it, warmed up with the shared prefix: the same greedy answers, the
+    prefix served from the cache."""
+    import weakref
+
+    from nanovllm import LLM
+    from nanovllm.distributed import cleanup_dist_env_and_memory
+    prefix = ("You are an expert school principal, skilled in effectively managing faculty and staff. Draft 10-15 "
+              "questions for a potential first grade Head Teacher for my K-12, all-girls', independent school that "
+              "emphasizes community, joyful discovery, and life-long learning. Based on these information, fulfill "
+              "the following paragraph: ")
+    generating_prompts = [prefix + prompt for prompt in PROMPTS]
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=8)
+    regular_llm = LLM(model=bundled, enable_prefix_caching=False, gpu_memory_utilization=0.4, max_model_len=1024)
+    regular = [o.outputs[0].text for o in regular_llm.generate(generating_prompts, sampling_params)]
+    gone = weakref.ref(regular_llm)
+    del regular_llm
+    cleanup_dist_env_and_memory()
+    assert gone() is None
+    # (vLLM's block size: nanovllm's 256-token blocks would hold this whole prefix and the prompt in one, which is
+    # never served from the cache)
+    with LLM(model=bundled, enable_prefix_caching=True, gpu_memory_utilization=0.4, max_model_len=1024,
+             block_size=16) as cached:
+        cached.generate(generating_prompts[0], sampling_params)
+        outputs = cached.generate(generating_prompts, sampling_params)
+    assert [o.outputs[0].text for o in outputs] == regular
+    assert all(o.num_cached_tokens > 0 for o in outputs)
 
 
 def test_llm_engine_example(bundled, capsys):
