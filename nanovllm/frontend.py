@@ -11,6 +11,9 @@ from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 Message = dict
 Conversation = list[Message]
 _CONTENT_FORMATS = ("auto", "string", "openai")
+_NO_PROFILER = ("start_profile/stop_profile are not supported: nanovllm has no built-in profiler (vLLM's "
+                "profiler_config, VLLM_TORCH_PROFILER_DIR); wrap the generate() calls in torch.profiler.profile() "
+                "instead (with tensor_parallel_size=1 and data_parallel_size=1 the engine runs in this process)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,13 @@ class Frontend:
         """A copy of the defaults generate() uses when given no sampling_params: vLLM's, with what the checkpoint's
         generation_config.json sets (temperature, top_p, top_k, ...)."""
         return copy.deepcopy(self.default_sampling_params)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's profiler hooks: nanovllm has no built-in profiler (NotImplementedError saying what to use)."""
+        raise NotImplementedError(_NO_PROFILER)
+
+    def stop_profile(self) -> None:
+        raise NotImplementedError(_NO_PROFILER)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -217,6 +217,12 @@ class LLMEngine:
         with self._lock:  # (a step in another thread finishes first)
             return self.llm.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self.llm.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        self.llm.stop_profile()
+
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level)
 

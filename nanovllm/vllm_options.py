@@ -36,6 +36,7 @@ DEFAULT_ONLY = {
     "enable_prompt_embeds": (False, "prompts are text or token ids"),
     "model_impl": ("auto", "nanovllm runs its own model code"),
     "config_format": ("auto", "config.json (or the .gguf header) is read"),
+    "profiler_config": (None, "no built-in profiler: wrap the generate() calls in torch.profiler.profile()"),
 }
 # other values that name what nanovllm does, accepted as the default is (an empty dict: nothing overridden, vLLM's
 # default for some of these)

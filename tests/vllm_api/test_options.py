@@ -199,6 +199,17 @@ def test_beam_search_arguments(tiny, model):
     _serves(tiny, model)
 
 
+def test_profiling_is_refused_saying_what_to_use(tiny, model):
+    """vLLM's simple_profiling.py: start_profile / stop_profile (on the LLM and its llm_engine) and profiler_config
+    are refused, naming torch.profiler; the engine serves on."""
+    for call in (tiny.start_profile, tiny.stop_profile, tiny.llm_engine.start_profile, tiny.llm_engine.stop_profile):
+        with pytest.raises(NotImplementedError, match="no built-in profiler.*torch.profiler.profile"):
+            call()
+    with pytest.raises(ValueError, match="^profiler_config=.* is not supported: .*torch.profiler.profile"):
+        Config.from_kwargs(model, profiler_config={"profiler": "torch", "torch_profiler_dir": "./vllm_profile"})
+    _serves(tiny, model)
+
+
 def test_vllm_compat_page_names_every_option():
     import os
     page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm_compat.md")).read()
