@@ -19,11 +19,11 @@ _VLLM_TYPES = {"trust_remote_code": bool, "disable_custom_all_reduce": bool, "en
                "disable_log_stats": bool, "use_tqdm_on_load": bool, "disable_cascade_attn": bool,
                "enable_chunked_prefill": bool, "disable_async_output_proc": bool, "max_logprobs": int,
                "max_parallel_loading_workers": int, "max_seq_len_to_capture": int, "swap_space": float,
-               "cpu_offload_gb": float, "tokenizer": str}
+               "cpu_offload_gb": float, "tokenizer": str, "optimization_level": int}
 
-# vLLM's short flags for these options (-tp 2 is --tensor-parallel-size 2; -O3 is --compilation-config 3)
+# vLLM's short flags for these options (-tp 2 is --tensor-parallel-size 2; -O0 is --optimization-level 0)
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
-                "quantization": "-q", "compilation_config": "-O"}
+                "quantization": "-q", "optimization_level": "-O", "compilation_config": "-cc"}
 
 # options vLLM's command line reads as sizes (human_readable_int)
 _SIZES = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
@@ -102,9 +102,9 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """--model and one --flag per option (nanovllm's Config fields, and vLLM's names LLM(...) takes:
-        --block-size, --num-gpu-blocks-override, --trust-remote-code, ...; vLLM's short flags -tp, -pp, -dp, -q and -O
-        too); an option left out of the command line keeps LLM's default. --model may be left out too, or set with
-        parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled SmolLM2-135M)."""
+        --block-size, --num-gpu-blocks-override, --trust-remote-code, ...; vLLM's short flags -tp, -pp, -dp, -q, -O
+        and -cc too); an option left out of the command line keeps LLM's default. --model may be left out too, or
+        set with parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled SmolLM2-135M)."""
         parser.add_argument("--model", help="a local checkpoint directory (or .gguf file) or a Hugging Face Hub "
                             "id; default: the bundled SmolLM2-135M")
         for name, kind in _cli_options().items():

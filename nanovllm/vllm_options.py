@@ -16,7 +16,8 @@ DEFAULT_ONLY = {
     "runner": ("auto", "nanovllm generates text only"),
     "convert": ("auto", "nanovllm generates text only (no conversion to a pooling model)"),
     "override_pooler_config": (None, "no pooling models"),
-    "compilation_config": (None, "nanovllm does not use torch.compile; enforce_eager turns CUDA graphs off"),
+    "compilation_config": (None, "nanovllm does not use torch.compile; enforce_eager=True (or vLLM's "
+                                 "optimization_level=0, -O0) turns CUDA graphs off"),
     "pipeline_parallel_size": (1, "no pipeline parallelism: use tensor_parallel_size or data_parallel_size"),
     "distributed_executor_backend": (None, "ranks run in spawned processes (mp); for Ray use nanovllm.ray"),
     "calculate_kv_scales": (False, "an fp8 KV cache scales each token and head as it is written"),
@@ -90,6 +91,11 @@ def translate(model: str, kwargs: dict) -> dict:
             if value is False:
                 raise ValueError("enable_chunked_prefill=False is not supported: a prompt longer than "
                                  "max_num_batched_tokens is always prefilled in chunks of that many tokens")
+        elif name == "optimization_level":  # vLLM's -O0 to -O3
+            if isinstance(value, bool) or value not in (0, 1, 2, 3):
+                raise ValueError(f"optimization_level must be 0, 1, 2 or 3 (vLLM's -O0 to -O3), got {value!r}")
+            if value == 0:  # no compilation and no CUDA graphs (1 to 3: CUDA graphs, as by default; no compilation)
+                out.setdefault("enforce_eager", True)
         elif name == "disable_async_output_proc":
             if value:
                 out["async_scheduling"] = False

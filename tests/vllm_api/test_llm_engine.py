@@ -449,13 +449,13 @@ def test_engine_args_take_vllm_flags(model):
 
 
 def test_engine_args_take_vllm_short_flags(model):
-    """vLLM's short flags -tp, -pp, -dp, -q and -O (-O3 written together, as vLLM's scripts do) name the options
-    their long flags do."""
+    """vLLM's short flags -tp, -pp, -dp, -q, -O (-O0 written together, as vLLM's scripts do) and -cc name the
+    options their long flags do."""
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--model", model, "-tp", "2", "-pp", "1", "-dp", "1", "-q", "fp8", "-O3"])
+    args = parser.parse_args(["--model", model, "-tp", "2", "-pp", "1", "-dp", "1", "-q", "fp8", "-O0", "-cc", "{}"])
     assert EngineArgs.from_cli_args(args).options == dict(tensor_parallel_size=2, pipeline_parallel_size=1,
                                                           data_parallel_size=1, quantization="fp8",
-                                                          compilation_config=3)
+                                                          optimization_level=0, compilation_config={})
 
 
 def test_engine_args_read_sizes_as_vllm_does(model):
@@ -495,7 +495,7 @@ def test_engine_args_read_json_flags(model):
 def test_flexible_argument_parser(model):
     """vLLM's FlexibleArgumentParser, where vLLM's examples import it (nanovllm.utils.argparse_utils, and
     nanovllm.utils as older vLLM had it): --flag_name reads as --flag-name; dotted keys of a JSON flag merge into
-    one dict (-O.level too); a script's own flags, values such as -0.5 and what follows -- are left alone."""
+    one dict (-cc.level too); a script's own flags, values such as -0.5 and what follows -- are left alone."""
     from nanovllm.utils import FlexibleArgumentParser as Older
     from nanovllm.utils.argparse_utils import FlexibleArgumentParser
     assert Older is FlexibleArgumentParser
@@ -504,7 +504,7 @@ def test_flexible_argument_parser(model):
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args(["--model", model, "--max_model_len", "1k", "--enforce_eager", "--temperature", "-0.5",
                               "--hf-overrides.rope_scaling.factor", "4", "--hf_overrides.rope_theta=1e6",
-                              "-O.level", "0", "--", "--x_y.z"])
+                              "-cc.level", "0", "--", "--x_y.z"])
     assert (args.max_model_len, args.enforce_eager, args.temperature, args.rest) == (1000, True, -0.5, ["--x_y.z"])
     assert args.hf_overrides == {"rope_scaling": {"factor": 4}, "rope_theta": 1e6}
     assert args.compilation_config == {"level": 0}
