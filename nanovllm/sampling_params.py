@@ -72,7 +72,8 @@ class SamplingParams:
     as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens, a text prompt keeping the special
     tokens its tokenizer adds), flat_logprobs (logprobs and prompt_logprobs as one FlatLogprobs each, read as the
     same list of dicts: far cheaper to make for long prompts), output_kind (a RequestOutputKind, for LLMEngine.step;
-    None reads as CUMULATIVE); logits_processors and extra_args are accepted at their defaults. max_tokens defaults
+    None reads as CUMULATIVE); logits_processors and extra_args are accepted at their defaults, older vLLM's best_of
+    at None or n. max_tokens defaults
     to 16, as in vLLM; None runs up to max_model_len.
     """
 
@@ -105,6 +106,7 @@ class SamplingParams:
     logits_processors: list | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
+    best_of: int | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -199,6 +201,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be None or an int >= 1, got {k!r}")
+        if self.best_of is not None and self.best_of != self.n:  # (best_of = n is older vLLM's default: n samples)
+            raise ValueError(f"best_of={self.best_of!r} is not supported (vLLM's V1 engine dropped it too): ask for "
+                             "n samples with logprobs=0 and keep the best by cumulative_logprob, or use beam_search")
         if self.logits_processors:
             raise ValueError("logits_processors (callables on the logits) are not supported: nanovllm applies its "
                              "own on the device; use logit_bias, allowed_token_ids, bad_words or structured_outputs")

@@ -162,6 +162,11 @@ def test_truncation_keeps_a_bos_and_an_eos_and_refuses_fewer_tokens_than_they_ar
         _truncate_text(BosEos(), "abcd", full, 1)
 
 
+def test_best_of_at_older_vllms_default():
+    """Older vLLM's best_of defaulted to n: None or n asks for nothing more, and is accepted."""
+    assert SamplingParams(n=2, best_of=2).n == SamplingParams(best_of=None).n + 1
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "logits_processors"),
     (dict(output_kind="SOMETIMES"), ValueError, "output_kind"),
@@ -178,6 +183,7 @@ def test_truncation_keeps_a_bos_and_an_eos_and_refuses_fewer_tokens_than_they_ar
     (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output"),
     (dict(spaces_between_special_tokens=None), TypeError, "spaces_between_special_tokens"),
     (dict(extra_args=[1]), TypeError, "extra_args"),
+    (dict(n=2, best_of=5), ValueError, "best_of=5 is not supported .*cumulative_logprob.*beam_search"),
 ])
 def test_bad_fields_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
