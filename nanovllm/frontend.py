@@ -77,7 +77,8 @@ class Frontend:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None):
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None):
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them, as vLLM's LLM.chat.
 
         Each is rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) and `tools`,
@@ -86,8 +87,8 @@ class Frontend:
         {"type": "text" / "input_text" / "output_text", "text": ...}, {"type": "refusal", "refusal": ...},
         {"type": "thinking", "thinking": ...}, as vLLM reads them; images, audio and video are refused.
         chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3. Returns one
-        RequestOutput per conversation, as generate() does."""
-        if mm_processor_kwargs is not None:
+        RequestOutput per conversation, as generate() does (tokenization_kwargs: None or {}, as there)."""
+        if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: nanovllm serves text prompts only; pass None")
         if chat_template_content_format not in _CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(map(repr, _CONTENT_FORMATS))}, "
@@ -108,7 +109,8 @@ class Frontend:
         if chat_template_content_format == "auto":
             chat_template_content_format = self._content_format(chat_template, tools)
         prompts = [self._render_chat(c, options) for c in _conversations(messages, chat_template_content_format)]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def _render_chat(self, conversation: Conversation, options: dict) -> dict:
         """The conversation as a TokensPrompt with its text."""

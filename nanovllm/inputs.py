@@ -43,11 +43,17 @@ def prompt_parts(prompt) -> tuple[str | None, object]:
     return text, ids
 
 
-def call_prompts(prompts, prompt_token_ids=None, priority=None):
+def call_prompts(prompts, prompt_token_ids=None, priority=None, tokenization_kwargs=None):
     """A generate() call's prompts from vLLM's arguments: `prompt_token_ids` (older vLLM's keyword, which
-    lm-evaluation-harness still passes) in place of `prompts`; `priority` taken at None."""
-    if priority is not None:
-        raise ValueError("priority is not supported: requests are scheduled first come, first served; pass None")
+    lm-evaluation-harness still passes) in place of `prompts`; `priority` taken at None or all 0 (vLLM's first come,
+    first served takes only those), `tokenization_kwargs` at None or {} (the tokenizer's own encoding)."""
+    if priority is not None and (isinstance(priority, (str, bytes)) or any(p != 0 for p in priority)):
+        raise ValueError(f"priority={priority!r:.60} is not supported: requests are scheduled first come, first "
+                         "served; pass None (or 0 for every prompt)")
+    if tokenization_kwargs:
+        raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r:.80} is not supported: prompts are encoded as "
+                         "the tokenizer's encode() does by default; to keep a prompt's last k tokens pass "
+                         "SamplingParams(truncate_prompt_tokens=k)")
     if prompt_token_ids is None:
         if prompts is None:
             raise TypeError("generate() needs prompts: a str, a list of token ids, a prompt dict or a list of them")

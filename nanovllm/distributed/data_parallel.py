@@ -449,10 +449,10 @@ class DataParallelLLM(Frontend):
     # ---- the LLM interface --------------------------------------------------------------------------
     def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, stream: bool = False, *, lora_request=None, prompt_token_ids=None,
-                 priority=None):
+                 priority=None, tokenization_kwargs=None):
         """As LLM.generate: one RequestOutput per prompt, in input order (or, with stream=True, an iterator of
         deltas)."""
-        prompts = call_prompts(prompts, prompt_token_ids, priority)
+        prompts = call_prompts(prompts, prompt_token_ids, priority, tokenization_kwargs)
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         self._check_alive()

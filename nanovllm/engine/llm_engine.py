@@ -749,16 +749,16 @@ class LLMEngine:
 
     def generate(self, prompts: Prompt | list[Prompt] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-                 stream: bool = False, *, lora_request=None, prompt_token_ids=None,
-                 priority=None) -> list[RequestOutput] | Iterator[dict]:
+                 stream: bool = False, *, lora_request=None, prompt_token_ids=None, priority=None,
+                 tokenization_kwargs=None) -> list[RequestOutput] | Iterator[dict]:
         """Generate for every prompt (a str, token ids, a TextPrompt / TokensPrompt dict, or a list of them).
         Returns one RequestOutput per prompt, in order (vLLM's: request_id, prompt, prompt_token_ids,
         prompt_logprobs, outputs with every sample's CompletionOutput, num_cached_tokens). It also reads as
         nano-vllm's dict: out["text"], out["token_ids"] of the first sample. With stream=True, returns an iterator
         of per-step deltas instead (see `stream`). lora_request: a LoRARequest for every prompt, or one per prompt
         (None: the base model), with enable_lora. prompt_token_ids: older vLLM's keyword for token-id prompts;
-        priority: None only."""
-        prompts = call_prompts(prompts, prompt_token_ids, priority)
+        priority: None or 0s only; tokenization_kwargs: None or {} only."""
+        prompts = call_prompts(prompts, prompt_token_ids, priority, tokenization_kwargs)
         if stream:
             return self.stream(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         with self._exclusive("generate"):

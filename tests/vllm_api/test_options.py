@@ -137,6 +137,8 @@ def test_accessors(tiny, model):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(lora_request=object()), ValueError, "lora_request"),
     (dict(priority=[1]), ValueError, "priority"),
+    (dict(tokenization_kwargs={"truncation": True, "max_length": 2}), ValueError,
+     "tokenization_kwargs=.* is not supported: .*truncate_prompt_tokens=k"),
     (dict(prompt_token_ids=[[1, 2]]), ValueError, "either prompts or prompt_token_ids"),
 ])
 def test_generate_argument_refusals(tiny, model, kwargs, error, match):
@@ -150,6 +152,11 @@ def test_generate_arguments(tiny, model):
         tiny.generate()
     one = tiny.generate(prompt_token_ids=[3, 1, 4], sampling_params=GREEDY, lora_request=None, priority=None)
     assert len(one) == 1 and one[0].prompt_token_ids == [3, 1, 4]
+    # vLLM's: priorities of 0 (all that first come, first served takes), no tokenization overrides
+    two = tiny.generate([[3, 1, 4], [1, 5]], GREEDY, priority=[0, 0], tokenization_kwargs={}, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [one[0].outputs[0].token_ids, hf_greedy(model, [1, 5], 6)]
+    assert tiny.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, tokenization_kwargs=None,
+                     mm_processor_kwargs={})[0].outputs[0].token_ids
     assert tiny.generate({"prompt_token_ids": [3, 1, 4], "prompt": "pi"}, GREEDY)[0].prompt == "pi"
 
 
@@ -177,6 +184,7 @@ def test_chat_arguments(tiny, model):
     for kwargs, error, match in [
         (dict(add_generation_prompt=True, continue_final_message=True), ValueError, "cannot both be True"),
         (dict(mm_processor_kwargs={"a": 1}), ValueError, "mm_processor_kwargs"),
+        (dict(tokenization_kwargs={"add_special_tokens": True}), ValueError, "tokenization_kwargs"),
         (dict(chat_template_content_format="xml"), ValueError, "chat_template_content_format"),
         (dict(lora_request=object()), ValueError, "lora_request"),
         (dict(chat_template_kwargs=[1]), TypeError, "chat_template_kwargs"),
