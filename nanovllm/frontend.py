@@ -142,12 +142,23 @@ class Frontend:
             return "string"
         return _detect_content_format(template)
 
-    def beam_search(self, prompts: list, params: BeamSearchParams, lora_request=None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: list, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: the `params.beam_width` most likely continuations of each prompt (a str, token
         ids, or a TextPrompt / TokensPrompt dict), built a token at a time on generate() (the prefix cache keeps
-        each step to the new tokens)."""
-        return beam_search(self, prompts, params, lora_request)
+        each step to the new tokens). concurrency_limit: search at most that many prompts at a time, as vLLM's
+        does (the beams are the same)."""
+        if concurrency_limit is None:
+            return beam_search(self, prompts, params, lora_request)
+        if isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        return [out for i in range(0, len(prompts), concurrency_limit)
+                for out in beam_search(self, prompts[i:i + concurrency_limit], params,
+                                       loras[i:i + concurrency_limit])]
 
 
 def _conversations(messages, content_format: str = "auto") -> list[Conversation]:

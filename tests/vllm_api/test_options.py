@@ -213,6 +213,13 @@ def test_beam_search_arguments(tiny, model):
     out = tiny.beam_search([{"prompt_token_ids": [3, 1, 4]}], BeamSearchParams(beam_width=1, max_tokens=6,
                                                                                 ignore_eos=True))[0]
     assert out.sequences[0].tokens == [3, 1, 4] + hf_greedy(model, [3, 1, 4], 6)  # width 1: greedy
+    # vLLM's concurrency_limit: the prompts a few at a time, the same beams
+    prompts, params = [[3, 1, 4], [2, 7], [1, 8, 2, 8]], BeamSearchParams(beam_width=2, max_tokens=4)
+    want = [[(s.tokens, s.cum_logprob) for s in o.sequences] for o in tiny.beam_search(prompts, params)]
+    got = tiny.beam_search(prompts, params, use_tqdm=False, concurrency_limit=2)
+    assert [[(s.tokens, pytest.approx(s.cum_logprob)) for s in o.sequences] for o in got] == want
+    with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
+        tiny.beam_search(prompts, params, concurrency_limit=0)
     # beams that reach max_model_len (256) stop there, as cut by a length
     out = tiny.beam_search([[5] * 250], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
     assert [(len(s.tokens), s.finish_reason) for s in out.sequences] == [(256, "length")] * 2
