@@ -61,6 +61,11 @@ class Frontend:
         load_format="dummy" and a checkpoint that has none)."""
         return self.tokenizer
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks of one engine (tensor_parallel_size), times data_parallel_size with include_dp."""
+        cfg = self.config
+        return cfg.tensor_parallel_size * (cfg.data_parallel_size if include_dp else 1)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """A copy of the defaults generate() uses when given no sampling_params: vLLM's, with what the checkpoint's
         generation_config.json sets (temperature, top_p, top_k, ...)."""

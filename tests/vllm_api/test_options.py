@@ -129,6 +129,7 @@ def test_accessors(tiny, model):
     config = tiny.llm_engine.model_config
     assert (config.model, config.max_model_len, config.dtype) == (model, 256, torch.float32)
     assert config.get_vocab_size() == tiny.config.hf_config.vocab_size and tiny.get_model_config() == config
+    assert tiny.get_world_size() == tiny.get_world_size(include_dp=False) == 1
     params = tiny.get_default_sampling_params()
     params.temperature = 0.123
     assert tiny.get_default_sampling_params().temperature == 1.0  # a copy each time
