@@ -20,6 +20,14 @@ _VLLM_TYPES = {"trust_remote_code": bool, "disable_custom_all_reduce": bool, "en
                "enable_chunked_prefill": bool, "disable_async_output_proc": bool, "max_logprobs": int,
                "max_parallel_loading_workers": int, "max_seq_len_to_capture": int, "swap_space": float,
                "cpu_offload_gb": float, "tokenizer": str, "optimization_level": int}
+# vLLM's defaults of the options LLM(...) takes by name that have none in Config or DEFAULT_ONLY: what EngineArgs
+# reads for one left out, as vLLM's EngineArgs does
+_VLLM_DEFAULTS = {"tokenizer": None, "trust_remote_code": False, "disable_custom_all_reduce": False,
+                  "enable_sleep_mode": False, "disable_log_stats": False, "max_logprobs": 20,
+                  "guided_decoding_backend": None, "structured_outputs_config": None, "served_model_name": None,
+                  "use_tqdm_on_load": True, "max_parallel_loading_workers": None, "disable_cascade_attn": False,
+                  "max_seq_len_to_capture": 8192, "enable_chunked_prefill": None, "disable_async_output_proc": False,
+                  "optimization_level": 2}
 
 # vLLM's short flags for these options (-tp 2 is --tensor-parallel-size 2; -O0 is --optimization-level 0)
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
@@ -123,12 +131,14 @@ class EngineArgs:
 
 
 def _defaults() -> dict[str, object]:
-    """Option name -> LLM(...)'s default: Config's fields (under vLLM's names too) and vLLM's default-only options."""
+    """Option name -> LLM(...)'s default: Config's fields (under vLLM's names too), vLLM's default-only options and
+    the other vLLM options LLM(...) takes."""
     defaults = {f.name: f.default for f in fields(Config) if f.init and f.name != "model"
                 and f.default is not dataclasses.MISSING}
     defaults.update({vllm: defaults[ours] for vllm, ours in ALIASES.items()})
     defaults.update({name: default for name, (default, _) in DEFAULT_ONLY.items()})
     defaults.update(dict.fromkeys(HUB_OPTIONS))
+    defaults.update(_VLLM_DEFAULTS)
     return defaults
 
 

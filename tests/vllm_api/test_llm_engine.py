@@ -520,6 +520,13 @@ def test_engine_args_read_their_defaults(model):
     args = EngineArgs(model, max_model_len=256)
     assert (args.model, args.max_model_len, args.block_size, args.enable_prefix_caching, args.tokenizer_mode,
             args.swap_space) == (model, 256, 256, True, "auto", 4)
+    # vLLM's options without effect here, or mapped, read as vLLM's defaults (a script's get_tokenizer(
+    # engine_args.tokenizer or engine_args.model, trust_remote_code=engine_args.trust_remote_code))
+    assert (args.tokenizer, args.trust_remote_code, args.max_logprobs, args.disable_log_stats,
+            args.enable_chunked_prefill, args.optimization_level) == (None, False, 20, False, None, 2)
+    from nanovllm.engine_args import _VLLM_DEFAULTS
+    from nanovllm.vllm_options import NO_EFFECT
+    assert set(NO_EFFECT) <= set(_VLLM_DEFAULTS)
     with pytest.raises(AttributeError, match="no option 'no_such_option'"):
         _ = args.no_such_option
     clash = EngineArgs(model, options=1, make_llm=2)
