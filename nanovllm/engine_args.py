@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from nanovllm.config import Config
 from nanovllm.llm import LLM
-from nanovllm.vllm_options import ALIASES, DEFAULT_ONLY, HUB_OPTIONS, NO_EFFECT
+from nanovllm.vllm_options import ALIASES, DEFAULT_ONLY, HUB_OPTIONS, NO_EFFECT, same_value
 
 # vLLM's options that LLM(...) takes by name and are no Config field (vllm_options.py), as vLLM's command line types
 # them where their default does not say: a vLLM script's --trust-remote-code, --disable-log-stats or --tokenizer
@@ -76,32 +76,51 @@ def json_value(value: str):
         return value
 
 
-class EngineArgs:
-    """vLLM's EngineArgs: the model and LLM(...)'s options (nanovllm's, and vLLM's names it takes: docs/usage.md,
-    docs/vllm_compat.md), checked when LLMEngine.from_engine_args makes the engine. No model: LLM()'s, the bundled
-    SmolLM2-135M."""
+def _options() -> dict[str, tuple[object, object]]:
+    """Option name -> (the type its command-line value parses as, LLM(...)'s default): Config's fields (under vLLM's
+    names too), vLLM's default-only options and the other vLLM options LLM(...) takes; str for an option of several
+    types, sizes as human_readable_int, dicts and configs as json_value."""
+    kinds, defaults = {}, {}
+    for f in fields(Config):
+        if f.init and f.name != "model":
+            types_ = [k for k in typing.get_args(f.type) if k is not type(None)] if isinstance(
+                f.type, types.UnionType) else [f.type]
+            kinds[f.name] = types_[0] if len(types_) == 1 and types_[0] in (int, float, bool) else str
+            defaults[f.name] = f.default
+    for vllm, ours in ALIASES.items():
+        kinds[vllm], defaults[vllm] = kinds[ours], defaults[ours]
+    for name in (*DEFAULT_ONLY, *NO_EFFECT, *HUB_OPTIONS, *_VLLM_TYPES):
+        default = DEFAULT_ONLY[name][0] if name in DEFAULT_ONLY else _VLLM_DEFAULTS.get(name)
+        kinds[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
+        defaults[name] = default
+    kinds.update(dict.fromkeys(_SIZES, human_readable_int))
+    kinds.update(dict.fromkeys(_JSON, json_value))
+    return {name: (kinds[name], defaults[name]) for name in kinds}
 
-    def __init__(self, model: str | None = None, **options):
-        self.model = model
-        self.options = options
-        for name, value in options.items():
-            if name not in ("model", "options") and not hasattr(EngineArgs, name):  # (LLM(...) refuses those names)
-                setattr(self, name, value)
 
-    def __getattr__(self, name: str):
-        """An option left out reads as the default LLM(...) takes for it, as vLLM's EngineArgs fields do."""
-        defaults = _defaults()
-        if name not in defaults:
-            raise AttributeError(f"EngineArgs has no option {name!r}")
-        return defaults[name]
+# every option EngineArgs has a field and a command-line flag for
+_OPTIONS = _options()
+
+
+class _EngineArgs:
+    """EngineArgs' methods (EngineArgs, the dataclass, is made below from _OPTIONS)."""
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The options not at LLM(...)'s default, as LLM(model, **options) takes them."""
+        return {name: getattr(self, name) for name, (_, default) in _OPTIONS.items()
+                if not same_value(getattr(self, name), default)}
+
+    def __getattr__(self, name: str):  # (only for a name that is no field or method)
+        raise AttributeError(f"EngineArgs has no option {name!r}")
 
     def __repr__(self) -> str:
         return f"EngineArgs(model={self.model!r}{''.join(f', {k}={v!r}' for k, v in self.options.items())})"
 
     def make_llm(self) -> LLM:
-        """The LLM these arguments describe. data_parallel_size > 1 is refused: its replicas serve whole generate()
-        calls, not an engine's steps."""
-        if self.options.get("data_parallel_size", 1) not in (1, None):
+        """The LLM these arguments describe (the same as LLM(**dataclasses.asdict(self))). data_parallel_size > 1 is
+        refused: its replicas serve whole generate() calls, not an engine's steps."""
+        if self.data_parallel_size not in (1, None):
             raise ValueError("LLMEngine.from_engine_args: data_parallel_size > 1 is not supported (its replicas serve "
                              "whole generate() calls); use LLM(..., data_parallel_size=N).generate, or "
                              "tensor_parallel_size for one engine over several GPUs")
@@ -115,7 +134,7 @@ class EngineArgs:
         set with parser.set_defaults(model=...) as vLLM's examples do (LLM's default: the bundled SmolLM2-135M)."""
         parser.add_argument("--model", help="a local checkpoint directory (or .gguf file) or a Hugging Face Hub "
                             "id; default: the bundled SmolLM2-135M")
-        for name, kind in _cli_options().items():
+        for name, (kind, _) in _OPTIONS.items():
             flags = ["--" + name.replace("_", "-"), *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else [])]
             if kind is bool:
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
@@ -126,35 +145,18 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         """The options add_cli_args added that the command line set (other attributes of `args` are the script's)."""
-        names = _cli_options()
-        return cls(args.model, **{k: v for k, v in vars(args).items() if k in names})
+        return cls(args.model, **{k: v for k, v in vars(args).items() if k in _OPTIONS})
 
 
-def _defaults() -> dict[str, object]:
-    """Option name -> LLM(...)'s default: Config's fields (under vLLM's names too), vLLM's default-only options and
-    the other vLLM options LLM(...) takes."""
-    defaults = {f.name: f.default for f in fields(Config) if f.init and f.name != "model"
-                and f.default is not dataclasses.MISSING}
-    defaults.update({vllm: defaults[ours] for vllm, ours in ALIASES.items()})
-    defaults.update({name: default for name, (default, _) in DEFAULT_ONLY.items()})
-    defaults.update(dict.fromkeys(HUB_OPTIONS))
-    defaults.update(_VLLM_DEFAULTS)
-    return defaults
-
-
-def _cli_options() -> dict[str, type]:
-    """Option name -> the type its command-line value parses as (str for an option of several types; sizes as
-    human_readable_int, dicts and configs as json_value)."""
-    options = {}
-    for f in fields(Config):
-        if f.init and f.name != "model":
-            kinds = [k for k in typing.get_args(f.type) if k is not type(None)] if isinstance(
-                f.type, types.UnionType) else [f.type]
-            options[f.name] = kinds[0] if len(kinds) == 1 and kinds[0] in (int, float, bool) else str
-    options.update({vllm: options[ours] for vllm, ours in ALIASES.items()})
-    for name in (*DEFAULT_ONLY, *NO_EFFECT, *HUB_OPTIONS, *_VLLM_TYPES):
-        default = DEFAULT_ONLY.get(name, (None,))[0]
-        options[name] = _VLLM_TYPES.get(name, type(default) if type(default) in (bool, int) else str)
-    options.update(dict.fromkeys(_SIZES, human_readable_int))
-    options.update(dict.fromkeys(_JSON, json_value))
-    return options
+# vLLM's EngineArgs is a dataclass: scripts build LLM(**dataclasses.asdict(engine_args)), or change one option with
+# dataclasses.replace(engine_args, ...). Its fields: the model, then every option at LLM(...)'s default (a name that
+# is no option raises TypeError, as vLLM's does)
+EngineArgs = dataclasses.make_dataclass(
+    "EngineArgs", [("model", str | None, None), *((name, typing.Any, default)
+                                                  for name, (_, default) in _OPTIONS.items())],
+    bases=(_EngineArgs,), repr=False, namespace={
+        "__module__": __name__,
+        "__doc__": "vLLM's EngineArgs: the model and LLM(...)'s options (nanovllm's, and vLLM's names it takes: "
+                   "docs/usage.md, docs/vllm_compat.md), each a field at LLM's default unless set, checked when "
+                   "LLMEngine.from_engine_args (or LLM(**dataclasses.asdict(engine_args))) makes the engine. No "
+                   "model: LLM()'s, the bundled SmolLM2-135M."})

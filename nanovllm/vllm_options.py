@@ -1,5 +1,8 @@
 """vLLM's LLM(...) options, so that a vLLM script's constructor runs unchanged: each is taken at vLLM's default, mapped
 to nanovllm's option where nanovllm has the feature, and refused by name, saying what is not supported, otherwise."""
+from dataclasses import MISSING, fields
+
+from nanovllm.config import Config
 
 # option -> vLLM's default; any other value raises, with the reason
 DEFAULT_ONLY = {
@@ -58,6 +61,11 @@ NONE_MEANS_DEFAULT = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_c
                       "kvcache_block_size", "num_gpu_blocks_override", "num_kvcache_blocks")
 
 
+def same_value(value, default) -> bool:
+    """Whether an option's value is `default`, of its type (1 is not True, 1.0 not 1)."""
+    return type(value) is type(default) and value == default
+
+
 def _no_media(limits) -> bool:
     """Whether vLLM's limit_mm_per_prompt allows no media at all: every modality at 0 (or {"count": 0, ...})."""
     return isinstance(limits, dict) and bool(limits) and all(
@@ -67,7 +75,13 @@ def _no_media(limits) -> bool:
 def translate(model: str, kwargs: dict) -> dict:
     """nanovllm's options from a mix of nanovllm's and vLLM's; ValueError naming an unsupported non-default one."""
     out = {}
+    defaults = {f.name: f.default for f in fields(Config) if f.init}
     for name, value in kwargs.items():
+        ours = ALIASES.get(name, name)
+        if same_value(value, defaults.get(ours, MISSING)):
+            # nanovllm's default, as if left out, whichever name gives it: dataclasses.asdict(engine_args) gives every
+            # option, so vLLM's name (block_size) or an option that sets this one (optimization_level=0) decides
+            continue
         if name == "limit_mm_per_prompt" and _no_media(value):
             continue
         if name in DEFAULT_ONLY:
@@ -102,5 +116,9 @@ def translate(model: str, kwargs: dict) -> dict:
         elif value is None and name in NONE_MEANS_DEFAULT:
             continue
         else:
-            out[ALIASES.get(name, name)] = value
+            if out.get(ours, value) != value and ours in ALIASES.values():  # (vLLM's name and nanovllm's, both set)
+                other = ours if name != ours else next(vllm for vllm, o in ALIASES.items() if o == ours)
+                raise ValueError(f"{name}={value!r} and {other}={out[ours]!r} name one option (vLLM's name and "
+                                 "nanovllm's); set one of them")
+            out[ours] = value
     return out

@@ -3,6 +3,7 @@ RequestOutputs by SamplingParams.output_kind, abort_request, EngineArgs from a c
 equals what generate() gives for the same request, whatever the kind, the order requests arrive in, or aborts
 beside them."""
 import argparse
+import dataclasses
 import enum
 import threading
 from unittest import mock
@@ -419,8 +420,59 @@ def test_engine_args_from_a_command_line(model):
         EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-model-len", "x"])
     with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported"):
         LLMEngine.from_engine_args(EngineArgs(model, data_parallel_size=2))
-    with pytest.raises(TypeError, match="unknown option"):
-        LLMEngine.from_engine_args(EngineArgs(model, no_such_option=1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):  # (vLLM's dataclass too)
+        EngineArgs(model, no_such_option=1)
+
+
+def _options_of(config: Config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(Config) if f.init}
+
+
+def test_engine_args_are_a_dataclass(model):
+    """vLLM's EngineArgs is a dataclass: scripts build LLM(**dataclasses.asdict(engine_args)) (the model and every
+    option, each at LLM's default unless set: the same engine as from_engine_args), change options with
+    dataclasses.replace, and list them with dataclasses.fields."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--model", model, "--max-model-len", "256", "--block-size",
+                                                       "16", "--num-gpu-blocks-override", "48", "-O0",
+                                                       "--no-enable-prefix-caching", "--trust-remote-code"]))
+    names = [f.name for f in dataclasses.fields(EngineArgs)]
+    assert names[0] == "model" and {"max_model_len", "kvcache_block_size", "block_size", "trust_remote_code",
+                                    "tokenizer", "enable_expert_parallel", "revision"} <= set(names)
+    as_dict = dataclasses.asdict(args)
+    assert list(as_dict) == names and {name: as_dict[name] for name in (
+        "model", "max_model_len", "block_size", "kvcache_block_size", "optimization_level", "enforce_eager", "seed",
+        "trust_remote_code", "tokenizer", "swap_space")} == dict(
+        model=model, max_model_len=256, block_size=16, kvcache_block_size=256, optimization_level=0,
+        enforce_eager=False, seed=0, trust_remote_code=True, tokenizer=None, swap_space=4)
+    # -O0 is eager though asdict gives enforce_eager=False; vLLM's block_size wins over kvcache_block_size's default
+    with LLM(**as_dict) as llm:
+        config = _options_of(llm.config)
+        assert (config["max_model_len"], config["kvcache_block_size"], config["num_kvcache_blocks"],
+                config["enable_prefix_caching"], config["enforce_eager"]) == (256, 16, 48, False, True)
+        engine = LLMEngine.from_engine_args(args)
+        try:
+            assert _options_of(engine.llm.config) == config
+            prompts, params = ["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            assert (llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+                    == engine.llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            engine.llm.exit()
+    # every option left at its default: the engine of EngineArgs(model) and of LLM(model)
+    assert _options_of(Config.from_kwargs(**dataclasses.asdict(EngineArgs(model)))) == _options_of(
+        Config.from_kwargs(model))
+    changed = dataclasses.replace(args, max_model_len=128, block_size=32)
+    assert (changed.max_model_len, changed.block_size, args.max_model_len, args.block_size) == (128, 32, 256, 16)
+    assert _options_of(Config.from_kwargs(**dataclasses.asdict(changed)))["kvcache_block_size"] == 32
+    changed.gpu_memory_utilization = 0.5  # (a script's engine_args.gpu_memory_utilization = 0.5, then LLM(...))
+    assert dataclasses.asdict(changed)["gpu_memory_utilization"] == 0.5 and changed.options[
+        "gpu_memory_utilization"] == 0.5
+    assert repr(EngineArgs(model, max_model_len=256, seed=0)) == f"EngineArgs(model={model!r}, max_model_len=256)"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        dataclasses.replace(args, no_such_option=1)
+    # vLLM's name and nanovllm's for one option, set to two values: refused naming both
+    with pytest.raises(ValueError, match="block_size=32 and kvcache_block_size=16 name one option"):
+        Config.from_kwargs(model, kvcache_block_size=16, block_size=32)
 
 
 def test_engine_args_model_from_set_defaults(model):
@@ -453,9 +505,9 @@ def test_engine_args_take_vllm_short_flags(model):
     options their long flags do."""
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", model, "-tp", "2", "-pp", "1", "-dp", "1", "-q", "fp8", "-O0", "-cc", "{}"])
-    assert EngineArgs.from_cli_args(args).options == dict(tensor_parallel_size=2, pipeline_parallel_size=1,
-                                                          data_parallel_size=1, quantization="fp8",
-                                                          optimization_level=0, compilation_config={})
+    a = EngineArgs.from_cli_args(args)
+    assert (a.tensor_parallel_size, a.pipeline_parallel_size, a.data_parallel_size, a.quantization,
+            a.optimization_level, a.compilation_config) == (2, 1, 1, "fp8", 0, {})
 
 
 def test_engine_args_read_sizes_as_vllm_does(model):
@@ -481,8 +533,8 @@ def test_engine_args_read_json_flags(model):
     args = parser.parse_args(["--model", model, "--hf-overrides", "{}", "--limit-mm-per-prompt", "{}",
                               "--compilation-config", "{}", "--speculative-config", "None"])
     engine_args = EngineArgs.from_cli_args(args)
-    assert engine_args.options == dict(hf_overrides={}, limit_mm_per_prompt={}, compilation_config={},
-                                       speculative_config=None)
+    assert engine_args.options == dict(hf_overrides={}, limit_mm_per_prompt={}, compilation_config={})
+    assert engine_args.speculative_config is None
     assert Config.from_kwargs(model, **engine_args.options).max_model_len == 2048
     args = parser.parse_args(["--model", model, "--hf-overrides", '{"rope_theta": 1000000}'])
     with pytest.raises(ValueError, match=r"^hf_overrides=\{'rope_theta': 1000000\} is not supported"):
@@ -515,8 +567,8 @@ def test_flexible_argument_parser(model):
 
 
 def test_engine_args_read_their_defaults(model):
-    """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; options named like
-    EngineArgs' own attributes do not replace them (LLM(...) refuses them as unknown)."""
+    """vLLM's EngineArgs has a field per option: one left out reads as LLM(...)'s default; a name that is no option
+    is refused, EngineArgs' own attributes' names too."""
     args = EngineArgs(model, max_model_len=256)
     assert (args.model, args.max_model_len, args.block_size, args.enable_prefix_caching, args.tokenizer_mode,
             args.swap_space) == (model, 256, 256, True, "auto", 4)
@@ -529,7 +581,6 @@ def test_engine_args_read_their_defaults(model):
     assert set(NO_EFFECT) <= set(_VLLM_DEFAULTS)
     with pytest.raises(AttributeError, match="no option 'no_such_option'"):
         _ = args.no_such_option
-    clash = EngineArgs(model, options=1, make_llm=2)
-    assert clash.options == {"options": 1, "make_llm": 2} and callable(clash.make_llm)
-    with pytest.raises(TypeError, match="unknown option"):
-        clash.make_llm()
+    for name in ("options", "make_llm"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            EngineArgs(model, **{name: 1})

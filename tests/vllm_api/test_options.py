@@ -75,9 +75,10 @@ def test_vllm_values_that_name_what_nanovllm_does(model):
 
 def test_vllm_optimization_levels(model):
     """vLLM's optimization_level (-O0 to -O3): 0 is no compilation and no CUDA graphs, enforce_eager=True; 1 to 3
-    keep CUDA graphs, as by default (an explicit enforce_eager wins). compilation_config=0 names it."""
+    keep CUDA graphs, as by default. enforce_eager=False, its default, keeps -O0 eager, as in vLLM (where it only ever
+    turns graphs off). compilation_config=0 names it."""
     assert Config.from_kwargs(model, optimization_level=0).enforce_eager is True
-    assert Config.from_kwargs(model, optimization_level=0, enforce_eager=False).enforce_eager is False
+    assert Config.from_kwargs(model, optimization_level=0, enforce_eager=False).enforce_eager is True
     assert [Config.from_kwargs(model, optimization_level=n).enforce_eager for n in (1, 2, 3)] == [False] * 3
     with pytest.raises(ValueError, match="optimization_level must be 0, 1, 2 or 3"):
         Config.from_kwargs(model, optimization_level=4)
