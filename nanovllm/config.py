@@ -31,6 +31,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # > 1: that many engine replicas in spawned processes (distributed/data_parallel.py)
+    # vLLM's: whole experts on each GPU instead of a slice of every expert. Taken on an MoE model, where only the
+    # placement would differ (each tensor-parallel rank holds a slice of every expert here); refused on a model
+    # without experts, as vLLM refuses it (_check_expert_parallel)
+    enable_expert_parallel: bool = False
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: carve from free memory; > 0: exactly this many
@@ -169,6 +173,8 @@ class Config:
             self.max_model_len = max_pos
         from nanovllm.models import check_model_config  # before any weight is read
         windows = check_model_config(self.hf_config)
+        if self.enable_expert_parallel:
+            self._check_expert_parallel()
         if self.disable_sliding_window and windows:  # (as vLLM does: the config then states no window)
             if self.max_model_len > windows[0]:
                 self.longer_prompts = (f"pass disable_sliding_window=False (it caps max_model_len at the model's "
@@ -201,6 +207,23 @@ class Config:
                         "scale" if KV_CACHE_DTYPES[self.kv_cache_dtype] else
                         f"the KV cache is {str(self.kv_cache_torch_dtype).removeprefix('torch.')} "
                         "(kv_cache_dtype='auto'; kv_cache_dtype='fp8' scales each token and head itself)")
+
+    def _check_expert_parallel(self):
+        """vLLM's enable_expert_parallel=True. vLLM refuses it for a model without experts. On an MoE model it places
+        whole experts on each GPU (on one GPU: all of them, as here) instead of a slice of every expert, where each
+        token's output is the same sum over its top-k experts: taken, saying where the experts are."""
+        from nanovllm.models import num_experts
+        if not num_experts(self.hf_config):
+            raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts model, and {self.model} "
+                             f"({', '.join(getattr(self.hf_config, 'architectures', None) or [])}) has no experts "
+                             "(vLLM refuses it too); leave it False")
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        if tp * dp > 1:
+            held = f"each of the {tp} tensor-parallel ranks holds a slice of every expert" if tp > 1 else \
+                "each rank holds every expert"
+            replicas = f" (in each of the {dp} data-parallel replicas)" if dp > 1 else ""
+            logger.info("enable_expert_parallel=True: %s%s, where vLLM would spread whole experts over the GPUs; the "
+                        "outputs are the same", held, replicas)
 
     def _check_lora(self):
         if self.max_loras < 1:

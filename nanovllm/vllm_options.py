@@ -36,7 +36,6 @@ DEFAULT_ONLY = {
     "generation_config": ("auto", "the checkpoint's generation_config.json is always read for the defaults"),
     "override_generation_config": (None, "pass SamplingParams instead"),
     "scheduling_policy": ("fcfs", "requests are scheduled first come, first served"),
-    "enable_expert_parallel": (False, "MoE experts are split by tensor parallelism only"),
     "enable_prompt_embeds": (False, "prompts are text or token ids"),
     "model_impl": ("auto", "nanovllm runs its own model code"),
     "config_format": ("auto", "config.json (or the .gguf header) is read"),

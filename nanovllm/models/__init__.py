@@ -186,6 +186,12 @@ def check_model_config(config) -> list[int]:
     return sorted({w for w in layer_windows(config, flags) if w})
 
 
+def num_experts(config) -> int:
+    """The routed experts of each of the model's MoE layers; 0 for a model without experts."""
+    moe = _flags(config, _architecture(config)).moe
+    return moe.num_experts if moe else 0
+
+
 def build_model(config) -> DecoderForCausalLM:
     """Build the model named by config.architectures (on the current default device and dtype)."""
     arch = _architecture(config)

@@ -1,6 +1,8 @@
 """vLLM's LLM(...) options, engine accessors, and the arguments of generate, chat and beam_search: each accepted at
 vLLM's default, taken where implemented, refused with an error naming it otherwise; the engine serves after each
 refusal."""
+import logging
+
 import pytest
 import torch
 
@@ -84,6 +86,22 @@ def test_vllm_optimization_levels(model):
         Config.from_kwargs(model, optimization_level=4)
     with pytest.raises(ValueError, match=r"^compilation_config=0 is not supported: .*optimization_level=0"):
         Config.from_kwargs(model, compilation_config=0)
+
+
+def test_expert_parallel(model, tmp_path, caplog):
+    """vLLM's enable_expert_parallel=True (its data_parallel.py example passes it, for an MoE model): taken on an MoE
+    model, where vLLM only places whole experts on each GPU (the same outputs; on one GPU, all of them, as here),
+    saying so where there are several ranks; refused naming why on a model without experts, as vLLM refuses it."""
+    moe = make_checkpoint(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          decoder_sparse_step=1)
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        assert Config.from_kwargs(moe, enable_expert_parallel=True, tensor_parallel_size=2).enable_expert_parallel
+    assert "each of the 2 tensor-parallel ranks holds a slice of every expert" in caplog.text
+    with LLM(moe, enable_expert_parallel=True, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        _serves(llm, moe)
+    with pytest.raises(ValueError, match=r"^enable_expert_parallel=True needs a mixture-of-experts model, and .* "
+                                         r"\(Qwen3ForCausalLM\) has no experts \(vLLM refuses it too\)"):
+        LLM(model, enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize("name", NO_EFFECT)
