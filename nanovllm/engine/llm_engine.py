@@ -67,6 +67,10 @@ def _weight_pairs(weights) -> list[tuple] | str:
     """update_weights' argument as a checkpoint directory or a list of (name, tensor) pairs, each pair checked
     (a tensor that holds no data, such as a meta tensor, cannot be copied: refused before anything is written)."""
     import torch
+    if isinstance(weights, Mapping) and "update_info" in weights or hasattr(weights, "update_info"):
+        raise TypeError("update_weights got newest vLLM's weight-transfer request ({'update_info': ...}, for its NCCL "
+                        "or IPC backends); nanovllm's update_weights takes the weights themselves: (name, tensor) "
+                        "pairs, a state dict (e.g. model.state_dict()) or a checkpoint directory")
     if isinstance(weights, (str, os.PathLike)):
         weights = os.fspath(weights)
         if not os.path.isdir(weights):
@@ -264,6 +268,12 @@ class LLMEngine:
     # the engine keeps books on these (prefix cache, what is asleep): they go through its own methods
     _ENGINE_RPCS = {"update_weights": "update_weights", "sleep": "sleep", "wake_up": "wake_up",
                     "check_weights": "update_weights"}
+    # vLLM's worker methods that vLLM RL scripts call to load new weights: what each does there
+    _VLLM_WORKER_RPCS = {
+        "reload_weights": "reloads the weights from the checkpoint, or from a weights_iterator of (name, tensor) pairs",
+        "update_config": "changes the config, so that reload_weights then reads another checkpoint or load_format "
+                         "(nanovllm's config is fixed once the engine runs)",
+    }
 
     def collective_rpc(self, method: str, args: tuple | None = (), kwargs: dict | None = None) -> list:
         """Run the public ModelRunner method `method` on every rank (as vLLM's LLM.collective_rpc does for its
@@ -271,6 +281,11 @@ class LLMEngine:
         if method in self._ENGINE_RPCS:
             raise ValueError(f"collective_rpc({method!r}) would bypass the engine's prefix cache and sleep state; "
                              f"call llm.{self._ENGINE_RPCS[method]}() instead")
+        if method in self._VLLM_WORKER_RPCS:
+            raise ValueError(f"collective_rpc({method!r}) is vLLM's worker method, which "
+                             f"{self._VLLM_WORKER_RPCS[method]}; nanovllm loads weights with llm.update_weights(): a "
+                             "checkpoint directory (llm.config.model: the model's own, as after load_format='dummy'), "
+                             "(name, tensor) pairs or a state dict")
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"collective_rpc: args must be a tuple of positional arguments, got {args!r:.60}")
         if kwargs is not None and not isinstance(kwargs, dict):

@@ -2,6 +2,7 @@
 vLLM's default, taken where implemented, refused with an error naming it otherwise; the engine serves after each
 refusal."""
 import logging
+import types
 
 import pytest
 import torch
@@ -255,6 +256,28 @@ def test_profiling_is_refused_saying_what_to_use(tiny, model):
     with pytest.raises(ValueError, match="^profiler_config=.* is not supported: .*torch.profiler.profile"):
         Config.from_kwargs(model, profiler_config={"profiler": "torch", "torch_profiler_dir": "./vllm_profile"})
     _serves(tiny, model)
+
+
+def test_vllm_weight_reloads_name_update_weights(tiny, model):
+    """A vLLM RL script's weight loading: the worker methods reload_weights and update_config through
+    collective_rpc (vLLM's skip_loading_weights_in_engine_init.py), and newest vLLM's update_weights({"update_info":
+    ...}) weight-transfer request, are refused naming what nanovllm's update_weights takes; the engine serves on."""
+    for method, args in (("reload_weights", ()), ("update_config", ({"load_config": {"load_format": "auto"}},))):
+        with pytest.raises(ValueError, match=rf"^collective_rpc\('{method}'\) is vLLM's worker method, .*"
+                                             r"llm\.update_weights\(\): a checkpoint directory \(llm\.config\.model"):
+            tiny.collective_rpc(method, args=args)
+        with pytest.raises(ValueError, match=rf"^collective_rpc\('{method}'\) is vLLM's worker method"):
+            tiny.llm_engine.collective_rpc(method, args=args)
+    request = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]]}}
+    for weights in (request, types.SimpleNamespace(**request)):  # (a dict, or vLLM's WeightTransferUpdateRequest)
+        with pytest.raises(TypeError, match=r"^update_weights got newest vLLM's weight-transfer request .* takes the "
+                                            r"weights themselves: \(name, tensor\) pairs, a state dict"):
+            tiny.update_weights(weights)
+    _serves(tiny, model)
+    # what the error says to do for vLLM's update_config(load_format="auto") + reload_weights after dummy weights
+    with LLM(model, load_format="dummy", kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
+        llm.update_weights(llm.config.model)
+        _serves(llm, model)
 
 
 def test_vllm_compat_page_names_every_option():
