@@ -100,14 +100,14 @@ class Config:
             if value is not None and not isinstance(value, str) and not (name == "hf_token" and value is True):
                 raise TypeError(f"{name} must be a str{', True' if name == 'hf_token' else ''} or None, got "
                                 f"{type(value).__name__}")
+        valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:  # (before a Hub id's snapshot is fetched: a mistyped option costs no download)
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)} and "
+                            "vLLM's (docs/vllm_compat.md)")
         if isinstance(model, str):  # (a Hub id: its snapshot in the Hugging Face cache, fetched if need be)
             from nanovllm.checkpoint.hub import resolve_model
             model = resolve_model(model, **hub)
-        valid = [f.name for f in fields(cls) if f.init and f.name != "model"]
-        unknown = sorted(set(kwargs) - set(valid))
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)} and "
-                            "vLLM's (docs/vllm_compat.md)")
         return cls(model, **kwargs)
 
     def __post_init__(self):

@@ -84,6 +84,17 @@ def test_bad_option_types(hub_cache):
         LLM("nanovllm-test/tiny-qwen3", download_dir=hub_cache, revision=2)
 
 
+def test_a_mistyped_option_is_refused_before_any_download(monkeypatch):
+    """LLM("org/name", max_num_seq=8) raises TypeError naming the option without fetching the snapshot first (a
+    model's weights are gigabytes)."""
+    import huggingface_hub
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: fetched.append(args))
+    with pytest.raises(TypeError, match="unknown option.*max_num_seq;"):
+        LLM("nanovllm-test/absent", max_num_seq=8)
+    assert fetched == []
+
+
 def test_a_lora_path_may_be_a_hub_id(hub_cache, qwen3_tied, lora_attention, monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", hub_cache)  # (the adapter's cache: the default)
