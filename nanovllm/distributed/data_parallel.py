@@ -35,6 +35,7 @@ from nanovllm.engine.requests import RequestChecker, as_request_lists
 from nanovllm.frontend import Frontend
 from nanovllm.inputs import call_prompts, prompt_parts
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.vllm_options import HUB_OPTIONS
 
 logger = logging.getLogger("nanovllm")
 EXIT_TIMEOUT_S = 30.0
@@ -268,7 +269,9 @@ class DataParallelLLM(Frontend):
         self._asleep: set[str] = set()  # as one engine keeps them (LLMEngine), for every replica at once
         self._weights_discarded: str | None = None
         self.last_stats: list[dict] = []  # per replica, of the last generate: requests, output tokens, seconds
-        replica_kwargs = {k: v for k, v in kwargs.items() if k != "data_parallel_size"}
+        # (each replica takes the checkpoint's local path, config.model: a Hub id's options, and vLLM's tokenizer
+        # option naming the id, were read here)
+        replica_kwargs = {k: v for k, v in kwargs.items() if k not in ("data_parallel_size", "tokenizer", *HUB_OPTIONS)}
         threads = max(1, (os.cpu_count() or 1) // n)
         ctx = get_context("spawn")
         self.processes, self.conns = [], []

@@ -54,6 +54,16 @@ def test_a_hub_id_reads_its_snapshot_from_the_cache(hub_cache, qwen3_tied, qwen3
         assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
+def test_data_parallel_replicas_read_the_snapshot(hub_cache, qwen3_b):
+    """data_parallel_size=2: the replicas load the snapshot the front resolved, with tokenizer naming the id (vLLM's
+    way to say the model's own) and a revision."""
+    with LLM("nanovllm-test/tiny-qwen3", download_dir=hub_cache, revision="v2", tokenizer="nanovllm-test/tiny-qwen3",
+             data_parallel_size=2, device="cpu", kvcache_block_size=16, num_kvcache_blocks=32,
+             max_model_len=128) as llm:
+        outs = llm.generate([PROMPT, PROMPT[:3]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(qwen3_b, p, 6) for p in (PROMPT, PROMPT[:3])]
+
+
 def test_engine_args_take_the_hub_options(hub_cache, qwen3_b):
     import argparse
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
