@@ -5,9 +5,10 @@ import os
 
 # what nanovllm reads from a checkpoint: config.json, generation_config.json and the other JSON files, the
 # tokenizer's files (vocab, merges, SentencePiece or tiktoken models, a chat template) and the safetensors weights;
-# other weight formats and Meta's original/ folder (a second copy of the weights) are never read, so never fetched
+# other weight formats, Meta's original/ folder and Mistral's consolidated*.safetensors (second copies of the weights,
+# under the models' own tensor names, which nanovllm does not read) are never read, so never fetched
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-IGNORE_PATTERNS = ["original/*"]
+IGNORE_PATTERNS = ["original/*", "consolidated*.safetensors"]
 MODEL_FILES = "a local checkpoint directory (config.json + safetensors) or a .gguf file"
 
 

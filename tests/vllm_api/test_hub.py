@@ -64,6 +64,23 @@ def test_data_parallel_replicas_read_the_snapshot(hub_cache, qwen3_b):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(qwen3_b, p, 6) for p in (PROMPT, PROMPT[:3])]
 
 
+def test_only_what_is_read_is_fetched():
+    """Of a repo's files, the download takes the JSON, tokenizer and safetensors files, and not the second copies of
+    the weights: Meta's original/ folder, Mistral's consolidated.safetensors (Mistral Small 3.1's repo holds it, 48 GB,
+    beside the model-*.safetensors shards its index maps)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from nanovllm.checkpoint.hub import ALLOW_PATTERNS, IGNORE_PATTERNS
+    repo = ["config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00010.safetensors",
+            "model-00010-of-00010.safetensors", "consolidated.safetensors", "params.json", "tekken.json",
+            "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "README.md", "pytorch_model.bin",
+            "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model"]
+    assert list(filter_repo_objects(repo, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)) == [
+        "config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00010.safetensors",
+        "model-00010-of-00010.safetensors", "params.json", "tekken.json", "tokenizer.json", "tokenizer_config.json",
+        "chat_template.jinja"]
+
+
 def test_engine_args_take_the_hub_options(hub_cache, qwen3_b):
     import argparse
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
