@@ -27,11 +27,16 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """The beam search of every prompt, on `llm` (an LLM or its data-parallel front), under one adapter (None: the
-    base model; or one per prompt)."""
+    base model; or one per prompt); at most `concurrency_limit` prompts searched at a time (None: all), as vLLM's
+    (the beams are the same). Every prompt is checked before any is searched."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
+                                          or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     vocab = llm.requests.vocab_size
@@ -42,40 +47,15 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
         raise ValueError(f"beam search ranks beams by logprobs, but this LLM returns logits "
                          f"(logprobs_mode={llm.config.logprobs_mode!r}); use raw_logprobs or processed_logprobs")
     eos = set(llm.config.eos_token_ids)
-    max_len = llm.config.max_model_len
-    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                                 detokenize=False, ignore_eos=True)
     loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
     if len(loras) != len(prompts):
         raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one LoRARequest (or None) "
                          "or exactly one per prompt")
     live = [[BeamSearchSequence(llm.requests.tokenize(p), lora_request=lora)] for p, lora in zip(prompts, loras)]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [(i, beam) for i, group in enumerate(live) for beam in group]
-        if not beams:
-            break
-        outs = llm.generate([beam.tokens for _, beam in beams], step_params, use_tqdm=False,
-                            lora_request=[beam.lora_request for _, beam in beams])
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(beams, outs):
-            for token, logprob in out.outputs[0].logprobs[0].items():
-                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [out.outputs[0].logprobs[0]],
-                                         beam.cum_logprob + float(logprob), lora_request=beam.lora_request)
-                if token in eos and not params.ignore_eos:
-                    new.finish_reason = "stop"
-                    done[i].append(new)
-                else:
-                    candidates[i].append(new)
-        for i, group in enumerate(candidates):
-            group.sort(key=lambda b: b.cum_logprob, reverse=True)
-            live[i] = []
-            for beam in group[:params.beam_width]:  # a beam at max_model_len can grow no more: finished there
-                if len(beam.tokens) >= max_len:
-                    beam.finish_reason = "length"
-                    done[i].append(beam)
-                else:
-                    live[i].append(beam)
+    limit = concurrency_limit or max(len(prompts), 1)
+    for start in range(0, len(prompts), limit):
+        _search(llm, live, done, range(start, min(start + limit, len(prompts))), params, eos)
     results = []
     for i in range(len(prompts)):
         for beam in live[i]:
@@ -88,6 +68,40 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
             beam.text = llm.tokenizer.decode(tokens) if llm.tokenizer is not None else None
         results.append(BeamSearchOutput(best))
     return results
+
+
+def _search(llm, live: list[list[BeamSearchSequence]], done: list[list[BeamSearchSequence]], searched: range,
+            params: BeamSearchParams, eos: set[int]):
+    """The beam search of the prompts `searched` (indices into `live`, their beams, and `done`, their finished
+    ones), updated in place."""
+    max_len = llm.config.max_model_len
+    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                                 detokenize=False, ignore_eos=True)
+    for _ in range(params.max_tokens):
+        beams = [(i, beam) for i in searched for beam in live[i]]
+        if not beams:
+            break
+        outs = llm.generate([beam.tokens for _, beam in beams], step_params, use_tqdm=False,
+                            lora_request=[beam.lora_request for _, beam in beams])
+        candidates: dict[int, list[BeamSearchSequence]] = {i: [] for i in searched}
+        for (i, beam), out in zip(beams, outs):
+            for token, logprob in out.outputs[0].logprobs[0].items():
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [out.outputs[0].logprobs[0]],
+                                         beam.cum_logprob + float(logprob), lora_request=beam.lora_request)
+                if token in eos and not params.ignore_eos:
+                    new.finish_reason = "stop"
+                    done[i].append(new)
+                else:
+                    candidates[i].append(new)
+        for i, group in candidates.items():
+            group.sort(key=lambda b: b.cum_logprob, reverse=True)
+            live[i] = []
+            for beam in group[:params.beam_width]:  # a beam at max_model_len can grow no more: finished there
+                if len(beam.tokens) >= max_len:
+                    beam.finish_reason = "length"
+                    done[i].append(beam)
+                else:
+                    live[i].append(beam)
 
 
 def _score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:

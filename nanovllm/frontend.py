@@ -153,17 +153,7 @@ class Frontend:
         ids, or a TextPrompt / TokensPrompt dict), built a token at a time on generate() (the prefix cache keeps
         each step to the new tokens). concurrency_limit: search at most that many prompts at a time, as vLLM's
         does (the beams are the same)."""
-        if concurrency_limit is None:
-            return beam_search(self, prompts, params, lora_request)
-        if isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1:
-            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
-        return [out for i in range(0, len(prompts), concurrency_limit)
-                for out in beam_search(self, prompts[i:i + concurrency_limit], params,
-                                       loras[i:i + concurrency_limit])]
+        return beam_search(self, prompts, params, lora_request, concurrency_limit)
 
 
 def _conversations(messages, content_format: str = "auto") -> list[Conversation]:

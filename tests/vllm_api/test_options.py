@@ -3,6 +3,7 @@ vLLM's default, taken where implemented, refused with an error naming it otherwi
 refusal."""
 import logging
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -237,10 +238,19 @@ def test_beam_search_arguments(tiny, model):
     # vLLM's concurrency_limit: the prompts a few at a time, the same beams
     prompts, params = [[3, 1, 4], [2, 7], [1, 8, 2, 8]], BeamSearchParams(beam_width=2, max_tokens=4)
     want = [[(s.tokens, s.cum_logprob) for s in o.sequences] for o in tiny.beam_search(prompts, params)]
-    got = tiny.beam_search(prompts, params, use_tqdm=False, concurrency_limit=2)
+    steps, generate = [], tiny.generate  # (the beams each step asks for: of at most two prompts at a time)
+
+    def counted(beams, *args, **kwargs):
+        steps.append(len(beams))
+        return generate(beams, *args, **kwargs)
+
+    with mock.patch.object(tiny, "generate", counted):
+        got = tiny.beam_search(prompts, params, use_tqdm=False, concurrency_limit=2)
     assert [[(s.tokens, pytest.approx(s.cum_logprob)) for s in o.sequences] for o in got] == want
-    with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
-        tiny.beam_search(prompts, params, concurrency_limit=0)
+    assert steps[0] == 2 and max(steps) <= 2 * params.beam_width and 1 in steps
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
+            tiny.beam_search(prompts, params, concurrency_limit=bad)
     # beams that reach max_model_len (256) stop there, as cut by a length
     out = tiny.beam_search([[5] * 250], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
     assert [(len(s.tokens), s.finish_reason) for s in out.sequences] == [(256, "length")] * 2
