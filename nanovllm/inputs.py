@@ -1,4 +1,5 @@
 """Prompts in vLLM's shapes: a str, a list of token ids, or a TextPrompt / TokensPrompt dict."""
+from collections.abc import Iterable
 from typing import TypedDict
 
 # vLLM's prompt-dict keys nanovllm has no use for: refused by name rather than ignored
@@ -47,7 +48,9 @@ def call_prompts(prompts, prompt_token_ids=None, priority=None, tokenization_kwa
     """A generate() call's prompts from vLLM's arguments: `prompt_token_ids` (older vLLM's keyword, which
     lm-evaluation-harness still passes) in place of `prompts`; `priority` taken at None or all 0 (vLLM's first come,
     first served takes only those), `tokenization_kwargs` at None or {} (the tokenizer's own encoding)."""
-    if priority is not None and (isinstance(priority, (str, bytes)) or any(p != 0 for p in priority)):
+    # (vLLM reads `priority[i] if priority else 0`: a bare 0 puts every prompt at 0 too)
+    values = priority if isinstance(priority, Iterable) and not isinstance(priority, (str, bytes)) else [priority]
+    if priority is not None and any(p != 0 for p in values):
         raise ValueError(f"priority={priority!r:.60} is not supported: requests are scheduled first come, first "
                          "served; pass None (or 0 for every prompt)")
     if tokenization_kwargs:

@@ -159,6 +159,7 @@ def test_accessors(tiny, model):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(lora_request=object()), ValueError, "lora_request"),
     (dict(priority=[1]), ValueError, "priority"),
+    (dict(priority=2), ValueError, r"^priority=2 is not supported"),
     (dict(tokenization_kwargs={"truncation": True, "max_length": 2}), ValueError,
      "tokenization_kwargs=.* is not supported: .*truncate_prompt_tokens=k"),
     (dict(prompt_token_ids=[[1, 2]]), ValueError, "either prompts or prompt_token_ids"),
@@ -177,6 +178,9 @@ def test_generate_arguments(tiny, model):
     # vLLM's: priorities of 0 (all that first come, first served takes), no tokenization overrides
     two = tiny.generate([[3, 1, 4], [1, 5]], GREEDY, priority=[0, 0], tokenization_kwargs={}, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in two] == [one[0].outputs[0].token_ids, hf_greedy(model, [1, 5], 6)]
+    # (vLLM reads `priority[i] if priority else 0`: a bare 0 for the call, as some scripts pass it)
+    assert [o.outputs[0].token_ids for o in tiny.generate([[3, 1, 4], [1, 5]], GREEDY, priority=0,
+                                                          use_tqdm=False)] == [o.outputs[0].token_ids for o in two]
     assert tiny.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, tokenization_kwargs=None,
                      mm_processor_kwargs={})[0].outputs[0].token_ids
     assert tiny.generate({"prompt_token_ids": [3, 1, 4], "prompt": "pi"}, GREEDY)[0].prompt == "pi"
