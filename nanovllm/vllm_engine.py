@@ -13,15 +13,11 @@ is the engine underneath. Use one or the other on an LLM at a time."""
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from nanovllm.engine.detokenizer import stop_holdback
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.outputs import CompletionOutput, FlatLogprobs, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams, as_output_kind
-
-if TYPE_CHECKING:
-    from nanovllm.engine_args import EngineArgs
 
 _STATE_LOCK = threading.Lock()
 
@@ -71,9 +67,10 @@ class LLMEngine:
         self._lock = llm._vllm_lock
 
     @classmethod
-    def from_engine_args(cls, engine_args: "EngineArgs", usage_context=None, stat_loggers=None,
+    def from_engine_args(cls, engine_args, usage_context=None, stat_loggers=None,
                          enable_multiprocessing: bool = False) -> "LLMEngine":
-        """The llm_engine of the LLM `engine_args` describe (EngineArgs.make_llm)."""
+        """The llm_engine of the LLM `engine_args` (an EngineArgs) describe (EngineArgs.make_llm; not imported here:
+        engine_args.py builds on the LLM, which builds this view)."""
         return engine_args.make_llm().llm_engine
 
     # ---- requests -------------------------------------------------------------------------------
