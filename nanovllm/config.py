@@ -63,7 +63,8 @@ class Config:
     disable_sliding_window: bool = False
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (docs/usage.md)
 
-    # Filled in by __post_init__ (not options).
+    # Filled in by from_kwargs and __post_init__ (not options).
+    model_id: str = field(default=None, init=False, repr=False)  # the model as given: a Hub id, or `model` itself
     hf_config: object = field(default=None, init=False, repr=False)  # the language model's (a multimodal one's text)
     # tokens that stand for an image in a multimodal checkpoint, {id: its config field}: served without the vision
     # tower, a prompt holding one is refused
@@ -96,6 +97,8 @@ class Config:
         from nanovllm.vllm_options import HUB_OPTIONS, translate
         kwargs = translate(model, kwargs, cls.defaults())  # vLLM's option names and defaults
         hub = {name: kwargs.pop(name) for name in HUB_OPTIONS if name in kwargs}
+        if isinstance(hub.get("download_dir"), os.PathLike):
+            hub["download_dir"] = os.fspath(hub["download_dir"])
         for name, value in hub.items():
             if value is not None and not isinstance(value, str) and not (name == "hf_token" and value is True):
                 raise TypeError(f"{name} must be a str{', True' if name == 'hf_token' else ''} or None, got "
@@ -105,10 +108,13 @@ class Config:
         if unknown:  # (before a Hub id's snapshot is fetched: a mistyped option costs no download)
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options are: {', '.join(valid)} and "
                             "vLLM's (docs/vllm_compat.md)")
+        given = model
         if isinstance(model, str):  # (a Hub id: its snapshot in the Hugging Face cache, fetched if need be)
             from nanovllm.checkpoint.hub import resolve_model
             model = resolve_model(model, **hub)
-        return cls(model, **kwargs)
+        config = cls(model, **kwargs)
+        config.model_id = os.fspath(given)
+        return config
 
     def __post_init__(self):
         self._check_types()

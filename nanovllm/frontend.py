@@ -18,7 +18,8 @@ _NO_PROFILER = ("start_profile/stop_profile are not supported: nanovllm has no b
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The parts of vLLM's ModelConfig that clients read (lm-evaluation-harness: max_model_len)."""
+    """The parts of vLLM's ModelConfig that clients read (lm-evaluation-harness: max_model_len). model and tokenizer:
+    the model as given to LLM(...), a Hub id or a path (the engine's own copy is `llm.config.model`, a local path)."""
 
     model: str
     tokenizer: str
@@ -51,7 +52,8 @@ class Frontend:
     @property
     def model_config(self) -> ModelConfig:
         cfg = self.config
-        return ModelConfig(cfg.model, cfg.model, cfg.max_model_len, cfg.torch_dtype, cfg.seed, cfg.hf_config)
+        name = cfg.model_id or cfg.model  # (as vLLM's: the Hub id where one was given, else the path)
+        return ModelConfig(name, name, cfg.max_model_len, cfg.torch_dtype, cfg.seed, cfg.hf_config)
 
     def get_model_config(self) -> ModelConfig:
         return self.model_config

@@ -3,6 +3,7 @@ id's snapshot from the Hugging Face cache (download_dir here), laid out as huggi
 picks a branch; an id with no snapshot is refused naming it. Nothing here reaches the network: the Hub is put in
 offline mode, where huggingface_hub reads its cache only (online it would first ask the Hub for the revision)."""
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -45,9 +46,10 @@ def test_a_hub_id_reads_its_snapshot_from_the_cache(hub_cache, qwen3_tied, qwen3
     with LLM("nanovllm-test/tiny-qwen3", download_dir=hub_cache, tokenizer="nanovllm-test/tiny-qwen3",
              kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128) as llm:
         assert llm.config.model == os.path.join(hub_cache, "models--nanovllm-test--tiny-qwen3", "snapshots", "a" * 40)
+        assert llm.llm_engine.model_config.model == "nanovllm-test/tiny-qwen3"  # (vLLM's: the id as given)
         assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(qwen3_tied,
                                                                                                    PROMPT, 6)
-    with LLM("nanovllm-test/tiny-qwen3", download_dir=hub_cache, revision="v2", tokenizer_revision="v2",
+    with LLM("nanovllm-test/tiny-qwen3", download_dir=pathlib.Path(hub_cache), revision="v2", tokenizer_revision="v2",
              kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128) as llm:
         want = hf_greedy(qwen3_b, PROMPT, 6)
         assert want != hf_greedy(qwen3_tied, PROMPT, 6)
