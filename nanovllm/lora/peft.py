@@ -1,7 +1,11 @@
 """PEFT LoRA adapters from a directory (adapter_config.json + adapter_model.safetensors), checked against the base
 model's shapes before any weight is read. Each target module's update is B @ A scaled by lora_alpha / r (or
-lora_alpha / sqrt(r) with use_rslora), r being that module's own rank (so rank_pattern needs nothing more)."""
+lora_alpha / sqrt(r) with use_rslora), r being that module's own rank (so rank_pattern needs nothing more). On the
+language model of a multimodal checkpoint (models.MULTIMODAL), an adapter PEFT made on the multimodal model applies:
+its language model's layers are ours, its vision tower's and projector's weights are skipped (for text prompts the
+tower never runs)."""
 import json
+import logging
 import math
 import os
 import re
@@ -11,13 +15,25 @@ import torch
 
 from nanovllm.lora.request import LoRARequest
 
+logger = logging.getLogger("nanovllm")
+
 # checkpoint module -> (our packed linear, part): q/k/v are parts of qkv_proj, gate/up of gate_up_proj
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+# Where PEFT names the decoder layers (<prefix>layers.<n>...): a text model's, and a multimodal checkpoint's language
+# model (models.MULTIMODAL) under transformers' module trees for it: model.language_model (transformers >= 4.52, and
+# 5), language_model.model (earlier: the language model was a ...ForCausalLM of its own)
+TEXT_LAYERS = "base_model.model.model."
+LANGUAGE_MODEL_LAYERS = ("base_model.model.model.language_model.", "base_model.model.language_model.model.")
 # (a layer index as PEFT writes it: "layers.00" would pass here and name no tensor when the weights are read)
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
-# module names of a multimodal model's parts (an adapter PEFT made on one names its layers under language_model)
-_MULTIMODAL_PARTS = ("language_model", "vision_tower", "multi_modal_projector")
+_KEY = re.compile(f"({'|'.join(re.escape(p) for p in (*LANGUAGE_MODEL_LAYERS, TEXT_LAYERS))})"
+                  r"layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight")
+# A multimodal model's vision tower and projector, in either tree: on its language model their adapter weights are
+# skipped (the tower never runs for a text prompt, so they change nothing)
+_TOWER = re.compile(r"base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\..*")
+# module names of a multimodal model's parts (refused on a text-only base model)
+_MULTIMODAL_PARTS = {"language_model": "language model", "vision_tower": "vision tower",
+                     "multi_modal_projector": "multimodal projector"}
 # state that VeLoRA and MonteCLoRA use only while training (in eval PEFT computes plain B A x with them), saved too
 _TRAINING_ONLY = re.compile(r".*\.lora_(velora_embed|monteclora_sampler\.\w+)")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -27,12 +43,14 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 class Adapter:
     """A checked adapter: its request, and per (layer, module) the rank and scaling of its update. generation: which
     registration of its id this is (lora/manager.py): an id removed and added again, its files perhaps rewritten,
-    is a new adapter to every cache."""
+    is a new adapter to every cache. layers: the name prefix of its decoder layers' weights (TEXT_LAYERS, or one of
+    LANGUAGE_MODEL_LAYERS for an adapter of a multimodal model)."""
 
     request: LoRARequest
     modules: dict[tuple[int, str], tuple[int, float]]
     path: str  # the adapter's directory: lora_path, or its Hub snapshot where lora_path is a Hub id
     generation: int = 0
+    layers: str = TEXT_LAYERS
 
     @property
     def rank(self) -> int:
@@ -44,7 +62,7 @@ class Adapter:
         out = {}
         with safe_open(os.path.join(self.path, WEIGHTS), "pt") as f:
             for (layer, module), (_, scaling) in self.modules.items():
-                prefix = f"base_model.model.model.layers.{layer}.{_group(module)}.{module}"
+                prefix = f"{self.layers}layers.{layer}.{_group(module)}.{module}"
                 a = f.get_tensor(f"{prefix}.lora_A.weight").float()
                 b = f.get_tensor(f"{prefix}.lora_B.weight").float() * scaling
                 out[layer, module] = a, b
@@ -89,23 +107,45 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except SafetensorError as e:
         raise ValueError(f"{where}: {WEIGHTS} cannot be read ({e}); save the adapter again") from None
+    from nanovllm.models import MULTIMODAL
+    archs = getattr(hf_config, "architectures", None) or []
+    # (the language model of a multimodal checkpoint: language_model_config names its architecture)
+    multimodal = any(arch in MULTIMODAL for arch in archs)
     found: dict[tuple[int, str], dict[str, tuple]] = {}
+    layer_prefixes: set[str] = set()
+    tower: list[str] = []  # the vision tower's and the projector's weights, skipped
     for key, shape in shapes.items():
         if _TRAINING_ONLY.fullmatch(key):
             continue
+        if multimodal and _TOWER.fullmatch(key):
+            tower.append(key)
+            continue
         match = _KEY.fullmatch(key)
-        if match is None and any(f".{part}." in key for part in _MULTIMODAL_PARTS):
-            raise ValueError(f"{where}: weight {key!r} is a multimodal model's (its language model or vision tower, "
-                             "as PEFT names them on a ...ForConditionalGeneration): nanovllm applies adapters of the "
-                             "text model's modules only (base_model.model.model.layers.<n>...)")
+        mm_part = next((name for name in _MULTIMODAL_PARTS if f".{name}." in key), None)
+        if mm_part is not None and not multimodal:
+            raise ValueError(f"{where}: weight {key!r} is a multimodal model's (its {_MULTIMODAL_PARTS[mm_part]}, as "
+                             "PEFT names the modules of a ...ForConditionalGeneration), but this base model "
+                             f"({', '.join(archs) or 'its config names no architecture'}) is text-only: serve the "
+                             f"multimodal checkpoint the adapter was made on ({' or '.join(MULTIMODAL)}, whose "
+                             "language model nanovllm serves), or use an adapter of this model's modules "
+                             f"({TEXT_LAYERS}layers.<n>...)")
         if match is None:
             raise ValueError(f"{where}: weight {key!r} is not a LoRA A/B matrix of a decoder layer's attention or MLP "
                              "projection; embedding, lm_head and modules_to_save targets and DoRA are not supported")
-        layer, group, module, part = int(match[1]), match[2], match[3], match[4]
+        layer, group, module, part = int(match[2]), match[3], match[4], match[5]
         if module not in MODULES or _group(module) != group:
             raise ValueError(f"{where}: target {group}.{module} of layer {layer} is not supported; LoRA applies to "
                              "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj")
+        layer_prefixes.add(match[1])
         found.setdefault((layer, module), {})[part] = shape
+    if len(layer_prefixes) > 1:  # (one model's adapter names its layers one way; two would be two models')
+        first, second = sorted(layer_prefixes)[:2]
+        raise ValueError(f"{where}: {WEIGHTS} names decoder layers both as {first}layers.<n> and as "
+                         f"{second}layers.<n>: an adapter of one model names them one way")
+    if tower and not found:
+        raise ValueError(f"{where}: {WEIGHTS} holds LoRA weights of the vision tower and the multimodal projector "
+                         f"only ({len(tower)}, e.g. {tower[0]!r}); nanovllm serves this checkpoint's language model "
+                         "for text prompts, where they change nothing: nothing to apply")
     if not found:
         raise ValueError(f"{where}: {WEIGHTS} holds no LoRA weights")
     expected = _shapes(hf_config)
@@ -133,7 +173,11 @@ def read_adapter(request: LoRARequest, hf_config, max_rank: int) -> Adapter:
         if r > max_rank:
             raise ValueError(f"{where}: {name} has rank {r}, above max_lora_rank={max_rank}; raise max_lora_rank")
         modules[layer, module] = r, alpha / (math.sqrt(r) if rslora else r)
-    return Adapter(request, modules, path)
+    if tower:
+        logger.info("%s: %d LoRA weights of the vision tower and the multimodal projector skipped (%d modules): "
+                    "nanovllm serves this checkpoint's language model for text prompts, where the tower never runs, "
+                    "so they change nothing", where, len(tower), len({key.rsplit(".lora_", 1)[0] for key in tower}))
+    return Adapter(request, modules, path, layers=layer_prefixes.pop())
 
 
 # LoRA variants whose adapters are not plain B A updates of the base nanovllm serves

@@ -6,12 +6,14 @@ import os
 import torch
 
 
-def make_adapter(base: str, path, rank: int, targets: list[str], alpha: float = 16, use_rslora: bool = False,
+def make_adapter(base: str, path, rank: int, targets: list[str] | str, alpha: float = 16, use_rslora: bool = False,
                  seed: int = 0, scale: float = 1.0, **extra) -> str:
-    """A LoRA adapter of `base` saved by PEFT into `path` (random A and B, B times `scale`); returns the path."""
+    """A LoRA adapter of `base` saved by PEFT into `path` (random A and B, B times `scale`); returns the path. A
+    multimodal checkpoint's adapter is made on its whole ...ForConditionalGeneration, as PEFT users make one."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+
+    from tests.tiny_models import load_hf_model
+    model = load_hf_model(base)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora,
                         init_lora_weights=False, **extra)
     torch.manual_seed(seed)

@@ -2,7 +2,8 @@
 Gemma3ForConditionalGeneration (SigLIP tower; three sliding-window layers to one global) and
 Mistral3ForConditionalGeneration (Pixtral tower) checkpoints, saved by transformers, give transformers' own model's
 greedy tokens in float32, in both tensor layouts; the vision tower is never read; image tokens in a prompt are
-refused; a missing tensor is named; weight updates take the multimodal model's names."""
+refused; a missing tensor is named; weight updates take the multimodal model's names; LoRA adapters PEFT made on the
+multimodal model apply to its language model (the tower's weights skipped), and are refused on a text-only model."""
 import json
 import os
 import random
@@ -225,30 +226,101 @@ def test_fp8_language_models(tmp_path):
     assert any(hf_greedy(base, p, GREEDY.max_tokens) != hf_greedy(reference, p, GREEDY.max_tokens) for p in batch)
 
 
-def test_lora_adapters_of_the_multimodal_model_are_refused(tmp_path):
-    """An adapter PEFT made on the multimodal model names its layers model.language_model.layers.<n> (and the vision
-    tower's): refused naming one, as nanovllm applies adapters of the text model's module names only, and the engine
-    serves on. The same language-model matrices under the text model's names give transformers + PEFT's tokens with
-    the whole adapter (its vision-tower part changes nothing for a text prompt)."""
+# An adapter PEFT made on the multimodal model names its modules under the multimodal module tree; transformers
+# before 4.52 had another one (the language model a ...ForCausalLM of its own, the vision tower at the top)
+OLDER_TREE = {"base_model.model.model.language_model.": "base_model.model.language_model.model.",
+              "base_model.model.model.vision_tower.": "base_model.model.vision_tower.",
+              "base_model.model.model.multi_modal_projector.": "base_model.model.multi_modal_projector."}
+TEXT_MODEL = {"base_model.model.model.language_model.": "base_model.model.model."}
+LORA_WEIGHTS = "adapter_model.safetensors"
+
+
+def tower_weights(adapter: str) -> list[str]:
+    return [n for n in load_file(os.path.join(adapter, LORA_WEIGHTS)) if ".vision_tower." in n
+            or ".multi_modal_projector." in n]
+
+
+def test_lora_adapters_made_on_the_multimodal_model(model, tmp_path, caplog):
+    """Adapters PEFT made on the multimodal model (the usual fine-tune of gemma-3-4b-it) name the language model's
+    layers model.language_model.layers.<n>, and the vision tower's (and Mistral's projector's) modules where
+    target_modules reach them: targets of the attention and the MLP, and "all-linear". Each gives transformers +
+    PEFT's greedy tokens on text prompts (PeftModel on the ...ForConditionalGeneration, float32), its tower's and
+    projector's weights skipped, with one log line per adapter saying how many. The older module tree's names
+    (language_model.model.layers.<n>) and the text model's (model.layers.<n>) give the same tokens. An adapter of the
+    tower alone, or one naming its layers two ways, is refused."""
     pytest.importorskip("peft")
+    import logging
+
     from nanovllm import LoRARequest
     from tests.lora.adapters import make_adapter, peft_greedy
-    base = make_multimodal_checkpoint(tmp_path / "base", seed=7, **MODELS["gemma3"])
-    adapter = make_adapter(base, tmp_path / "lora", 4, ["q_proj", "down_proj"], scale=3.0)
-    weights = "adapter_model.safetensors"
-    text = renamed(adapter, tmp_path / "text_lora",
-                   {"base_model.model.model.language_model.": "base_model.model.model."},
-                   drop=tuple(n for n in load_file(os.path.join(adapter, weights)) if "vision_tower" in n),
-                   file=weights)
+    arch = json.load(open(os.path.join(model, "config.json")))["model_type"]
+    targets = make_adapter(model, tmp_path / "targets", 4, ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"],
+                           scale=3.0)
+    everything = make_adapter(model, tmp_path / "all_linear", 8, "all-linear", scale=3.0, seed=1)
+    assert all(tower_weights(a) for a in (targets, everything))
+    if arch == "mistral3":  # (Gemma 3's projector is a bare matrix, no linear layer: PEFT reaches none of it)
+        assert any(".multi_modal_projector." in n for n in tower_weights(everything))
+    older = renamed(everything, tmp_path / "older", OLDER_TREE, file=LORA_WEIGHTS)
+    text = renamed(targets, tmp_path / "text", TEXT_MODEL, drop=tuple(tower_weights(targets)), file=LORA_WEIGHTS)
+    assert not tower_weights(text)
+    # (name, adapter, the adapter whose PEFT tokens it must give)
+    cases = [("targets", targets, targets), ("all", everything, everything), ("older", older, everything),
+             ("text", text, targets)]
+    requests = [LoRARequest(name, i + 1, path) for i, (name, path, _) in enumerate(cases)]
     batch = prompts(10, [6, 40])
-    with LLM(base, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
-        with pytest.raises(ValueError, match="weight 'base_model.model.model.language_model.layers.0.* is a "
-                                             "multimodal model's"):
-            llm.generate(batch, GREEDY, lora_request=LoRARequest("mm", 1, adapter), use_tqdm=False)
-        outs = llm.generate(batch, GREEDY, lora_request=LoRARequest("text", 2, text), use_tqdm=False)
-    wants = [peft_greedy(base, adapter, prompt, GREEDY.max_tokens) for prompt in batch]
-    assert [out["token_ids"] for out in outs] == wants
-    assert any(want != hf_greedy(base, prompt, GREEDY.max_tokens) for prompt, want in zip(batch, wants))
+    caplog.set_level(logging.INFO, logger="nanovllm")
+    with LLM(model, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16, max_model_len=256) as llm:
+        outs = llm.generate(batch * len(cases), GREEDY, lora_request=[r for r in requests for _ in batch],
+                            use_tqdm=False)
+        tower_only = make_adapter(model, tmp_path / "tower_only", 4,
+                                  ["fc1", "fc2"] if arch == "gemma3" else ["linear_1", "linear_2"])
+        mixed = renamed(targets, tmp_path / "mixed", {"base_model.model.model.language_model.layers.0.":
+                                                      "base_model.model.model.layers.0."}, file=LORA_WEIGHTS)
+        for path, message in [(tower_only, "holds LoRA weights of the vision tower and the multimodal projector only"),
+                              (mixed, "names decoder layers both as base_model.model.model.layers.<n> and as "
+                                      "base_model.model.model.language_model.layers.<n>")]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(batch, GREEDY, lora_request=LoRARequest("bad", 9, path), use_tqdm=False)
+        assert llm.generate(batch[:1], GREEDY, use_tqdm=False)[0]["token_ids"] == \
+            hf_greedy(model, batch[0], GREEDY.max_tokens)
+    for i, (name, path, reference) in enumerate(cases):
+        wants = [peft_greedy(model, reference, prompt, GREEDY.max_tokens) for prompt in batch]
+        assert [out["token_ids"] for out in outs[i * len(batch):(i + 1) * len(batch)]] == wants, name
+        assert any(want != hf_greedy(model, prompt, GREEDY.max_tokens) for prompt, want in zip(batch, wants)), name
+        logged = [r.getMessage() for r in caplog.records if f"LoRA adapter {name!r}" in r.getMessage()]
+        skipped = len(tower_weights(path))
+        assert logged == ([f"LoRA adapter {name!r} ({path}): {skipped} LoRA weights of the vision tower and the "
+                           f"multimodal projector skipped ({skipped // 2} modules): nanovllm serves this checkpoint's "
+                           "language model for text prompts, where the tower never runs, so they change nothing"]
+                          if skipped else []), name
+
+
+def test_multimodal_lora_adapters_are_refused_on_a_text_only_model(tmp_path):
+    """An adapter PEFT made on the multimodal Gemma 3, on a text-only Gemma 3 (Gemma3ForCausalLM) with the language
+    model's shapes: refused naming a weight as a multimodal model's, whichever part it names; the engine serves on."""
+    pytest.importorskip("peft")
+    from nanovllm import LoRARequest
+    from tests.lora.adapters import make_adapter
+    from tests.tiny_models import make_checkpoint
+    base = make_multimodal_checkpoint(tmp_path / "base", seed=7, **MODELS["gemma3"])
+    text_base = make_checkpoint(tmp_path / "text_base", "gemma3", layers=4, seed=7,
+                                **{k: v for k, v in MODELS["gemma3"].items() if k != "arch"})
+    adapter = make_adapter(base, tmp_path / "lora", 4, "all-linear", scale=3.0)
+    tower = renamed(adapter, tmp_path / "tower", {}, drop=tuple(n for n in load_file(os.path.join(
+        adapter, LORA_WEIGHTS)) if ".language_model." in n), file=LORA_WEIGHTS)
+    older = renamed(adapter, tmp_path / "older", OLDER_TREE, file=LORA_WEIGHTS)
+    batch = prompts(11, [6, 30])
+    with LLM(text_base, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
+        for i, (path, key, part) in enumerate([
+                (adapter, r"base_model\.model\.model\.language_model\.layers\.0\.", "language model"),
+                (older, r"base_model\.model\.language_model\.model\.layers\.0\.", "language model"),
+                (tower, r"base_model\.model\.model\.vision_tower\.", "vision tower")]):
+            with pytest.raises(ValueError, match=f"weight '{key}.*' is a multimodal model's \\(its {part}, as PEFT "
+                                                 r"names the modules of a \.\.\.ForConditionalGeneration\), but this "
+                                                 r"base model \(Gemma3ForCausalLM\) is text-only: serve the multimodal "
+                                                 "checkpoint the adapter was made on"):
+                llm.generate(batch, GREEDY, lora_request=LoRARequest("mm", i + 1, path), use_tqdm=False)
+        check(llm, text_base, batch)
 
 
 def test_the_language_model_config():
