@@ -93,7 +93,7 @@ class Config:
             except (ModuleNotFoundError, FileNotFoundError) as e:
                 raise TypeError(f"LLM() needs a model: a checkpoint directory (config.json + safetensors) or a .gguf "
                                 f"file; without one it takes the bundled SmolLM2-135M, but {e}") from None
-            logging.getLogger("nanovllm").info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
+            logger.info("no model given: the bundled %s (%s)", BUNDLED_FILE, model)
         from nanovllm.vllm_options import HUB_OPTIONS, translate
         kwargs = translate(model, kwargs, cls.defaults())  # vLLM's option names and defaults
         hub = {name: kwargs.pop(name) for name in HUB_OPTIONS if name in kwargs}

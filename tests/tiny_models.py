@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import random
 
 import torch
 
@@ -182,6 +183,12 @@ def hf_gguf_model(gguf_path: str):
         model.tie_weights()
         return model.eval()
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Prompts of random token ids in [3, 400) (past the special tokens), one of each length."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

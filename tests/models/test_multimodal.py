@@ -6,7 +6,6 @@ refused; a missing tensor is named; weight updates take the multimodal model's n
 multimodal model apply to its language model (the tower's weights skipped), and are refused on a text-only model."""
 import json
 import os
-import random
 import shutil
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_multimodal_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_multimodal_checkpoint, random_prompts
 
 WINDOW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -29,11 +28,6 @@ OTHER_PARTS = ("vision_tower.", "multi_modal_projector.")
 # transformers 5's module names (model.language_model.*, lm_head.*), from the layout save_pretrained writes
 IN_MEMORY = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
              "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -90,8 +84,8 @@ def test_language_model_gives_transformers_tokens(model, monkeypatch):
             return self.file.get_tensor(name)
 
     monkeypatch.setattr(safetensors, "safe_open", Recording)
-    shared = prompts(2, [40])[0]
-    batch = prompts(1, [3, 40, 97]) + [shared + p for p in prompts(3, [5, 30])]
+    shared = random_prompts(2, [40])[0]
+    batch = random_prompts(1, [3, 40, 97]) + [shared + p for p in random_prompts(3, [5, 30])]
     with LLM(model, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24,
              enable_chunked_prefill=True) as llm:
         monkeypatch.undo()
@@ -112,7 +106,7 @@ def test_transformers_module_names_load_the_same(model, tmp_path):
     assert set(load_file(os.path.join(other, "model.safetensors"))) >= \
         set(n for n in load_hf_model(model).state_dict() if not n.endswith("lm_head.weight"))
     with LLM(other, kvcache_block_size=16, max_model_len=256) as llm:
-        check(llm, model, prompts(4, [7, 60]))
+        check(llm, model, random_prompts(4, [7, 60]))
 
 
 def test_image_tokens_are_refused_and_the_engine_serves_on(model):
@@ -141,7 +135,7 @@ def test_tensor_and_data_parallel_engines(tmp_path):
     """TP=2 (gloo): each rank loads its shards under the multimodal names; DP=2: the replicas serve the language model
     and the front refuses an image token."""
     path = make_multimodal_checkpoint(tmp_path / "gemma3", seed=7, **MODELS["gemma3"])
-    batch = prompts(7, [40, 9])
+    batch = random_prompts(7, [40, 9])
     with LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
         check(llm, path, batch)
     token = json.load(open(os.path.join(path, "config.json")))["image_token_index"]
@@ -165,7 +159,7 @@ def test_a_missing_language_model_tensor_is_named(model, tmp_path):
     vision = next(n for n in load_file(os.path.join(model, "model.safetensors")) if n.startswith("vision_tower."))
     with LLM(renamed(model, tmp_path / "no_vision", {}, drop=(vision,)), kvcache_block_size=16,
              max_model_len=256) as llm:
-        check(llm, model, prompts(5, [20]))
+        check(llm, model, random_prompts(5, [20]))
 
 
 def test_mistral3_lm_head_missing_and_tied_only_at_the_top_level(tmp_path):
@@ -184,7 +178,7 @@ def test_update_weights_with_the_multimodal_models_names(model, tmp_path):
     given by the state_dict. A name that is no part of the language model is refused."""
     arch = json.load(open(os.path.join(model, "config.json")))["model_type"]
     other = make_multimodal_checkpoint(tmp_path / "other", seed=8, **MODELS[arch])
-    batch = prompts(6, [4, 50])
+    batch = random_prompts(6, [4, 50])
     with LLM(model, kvcache_block_size=16, max_model_len=256) as llm:
         state = hf_model(other).state_dict()
         assert any(n.startswith("model.vision_tower.") for n in state)
@@ -210,7 +204,7 @@ def test_fp8_language_models(tmp_path):
     from tests.quantization.checkpoints import CT_CONFIG, edit_config, edit_tensors, make_fp8
     base = make_multimodal_checkpoint(tmp_path / "base", seed=7, **MODELS["gemma3"])
     fp8, reference = make_fp8(base, tmp_path / "fp8", "compressed-tensors", tmp_path / "reference")
-    batch = prompts(9, [5, 40])
+    batch = random_prompts(9, [5, 40])
     with LLM(base, quantization="fp8", kvcache_block_size=16, max_model_len=256) as llm:
         check(llm, reference, batch)
     kept = "language_model.model.layers.0.mlp.down_proj"
@@ -267,7 +261,7 @@ def test_lora_adapters_made_on_the_multimodal_model(model, tmp_path, caplog):
     cases = [("targets", targets, targets), ("all", everything, everything), ("older", older, everything),
              ("text", text, targets)]
     requests = [LoRARequest(name, i + 1, path) for i, (name, path, _) in enumerate(cases)]
-    batch = prompts(10, [6, 40])
+    batch = random_prompts(10, [6, 40])
     caplog.set_level(logging.INFO, logger="nanovllm")
     with LLM(model, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16, max_model_len=256) as llm:
         outs = llm.generate(batch * len(cases), GREEDY, lora_request=[r for r in requests for _ in batch],
@@ -309,7 +303,7 @@ def test_multimodal_lora_adapters_are_refused_on_a_text_only_model(tmp_path):
     tower = renamed(adapter, tmp_path / "tower", {}, drop=tuple(n for n in load_file(os.path.join(
         adapter, LORA_WEIGHTS)) if ".language_model." in n), file=LORA_WEIGHTS)
     older = renamed(adapter, tmp_path / "older", OLDER_TREE, file=LORA_WEIGHTS)
-    batch = prompts(11, [6, 30])
+    batch = random_prompts(11, [6, 30])
     with LLM(text_base, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
         for i, (path, key, part) in enumerate([
                 (adapter, r"base_model\.model\.model\.language_model\.layers\.0\.", "language model"),

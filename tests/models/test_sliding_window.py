@@ -3,12 +3,11 @@ base for local layers, q/k norms), Gemma 2 (soft-capped scores and logits, alter
 layer windowed), with a 16-token window and prompts far longer than it: plain, chunked prefill, a shared prefix
 (prefix cache hits), preemption (a cache too small for every sequence at once), prompt logprobs, a LoRA adapter
 and vLLM's disable_sliding_window."""
-import random
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, load_hf_model, make_checkpoint, random_prompts
 
 WINDOW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -24,11 +23,6 @@ MODELS = {
     "gemma2": dict(arch="gemma2", layers=4, attn_logit_softcapping=1.5, final_logit_softcapping=3.0, **GEMMA),
     "mistral": dict(arch="mistral", tie=False, layers=2, sliding_window=WINDOW),
 }
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -50,7 +44,7 @@ def test_the_window_changes_these_models_tokens(model, tmp_path):
     unwindowed = shutil.copytree(model, tmp_path / "unwindowed")
     config = json.load(open(unwindowed / "config.json"))
     json.dump({**config, "sliding_window": 100000}, open(unwindowed / "config.json", "w"))
-    prompt = prompts(1, [3, 40, 97])[1]
+    prompt = random_prompts(1, [3, 40, 97])[1]
     windowed = hf_greedy(model, prompt, GREEDY.max_tokens)
     assert windowed != hf_greedy(str(unwindowed), prompt, GREEDY.max_tokens)
     assert len(set(windowed)) > 4
@@ -65,7 +59,7 @@ def test_the_reference_applies_gemma2s_attention_soft_cap(tmp_path):
     uncapped = shutil.copytree(model, tmp_path / "uncapped")
     config = json.load(open(uncapped / "config.json"))
     json.dump({**config, "attn_logit_softcapping": None}, open(uncapped / "config.json", "w"))
-    prompt = prompts(2, [64])[0] + prompts(3, [10])[0]
+    prompt = random_prompts(2, [64])[0] + random_prompts(3, [10])[0]
     assert hf_greedy(model, prompt, GREEDY.max_tokens) != hf_greedy(str(uncapped), prompt, GREEDY.max_tokens)
     assert load_hf_model(model).config._attn_implementation == "eager"
 
@@ -75,20 +69,20 @@ def test_gemma3_ignores_an_attention_soft_cap_in_its_config(tmp_path):
     ignore it). A cap of 1.5 binds in this model: applied, it moves prompt logprobs by 2 nats."""
     capped = make_checkpoint(tmp_path / "gemma3", seed=7, **{**MODELS["gemma3"], "attn_logit_softcapping": 1.5})
     with LLM(capped, kvcache_block_size=16, max_model_len=256) as llm:
-        check(llm, capped, prompts(1, [3, 40, 97]))
+        check(llm, capped, random_prompts(1, [3, 40, 97]))
 
 
 def test_windowed_models_match_transformers(model):
     with LLM(model, kvcache_block_size=16, max_model_len=256) as llm:
-        check(llm, model, prompts(1, [3, 40, 97]))
+        check(llm, model, random_prompts(1, [3, 40, 97]))
 
 
 def test_chunked_prefill_prefix_cache_and_preemption(model):
     # chunks of 24 tokens; two prompts sharing a 64-token prefix (the second hits the cache: its chunk attends over
     # cached keys, most of them outside the window); 20 blocks of 16 tokens for four 60-120-token sequences
     # (preempted and recomputed)
-    shared = prompts(2, [64])[0]
-    batch = [shared + p for p in prompts(3, [10, 31])] + prompts(4, [90, 100])
+    shared = random_prompts(2, [64])[0]
+    batch = [shared + p for p in random_prompts(3, [10, 31])] + random_prompts(4, [90, 100])
     with LLM(model, kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=256, max_num_batched_tokens=24,
              enable_chunked_prefill=True, enable_prefix_caching=True) as llm:
         check(llm, model, batch[:1])  # the prefix cached first
@@ -106,7 +100,7 @@ def test_prompt_logprobs_match_transformers(model):
     # every prompt position's logprob (each query's own window, soft-caps and the final cap) against transformers'
     # forward, whole and in 24-token chunks
     import torch
-    prompt = prompts(21, [70])[0]
+    prompt = random_prompts(21, [70])[0]
     with torch.no_grad():
         hf = hf_model(model)
         logprobs = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
@@ -126,7 +120,7 @@ def test_lora_adapter_on_windowed_models(model, tmp_path):
     from tests.lora.adapters import make_adapter, peft_greedy
     adapter = make_adapter(model, tmp_path / "lora", 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"], scale=3.0)
-    batch = prompts(11, [5, 40, 97])
+    batch = random_prompts(11, [5, 40, 97])
     with LLM(model, enable_lora=True, kvcache_block_size=16, max_model_len=256) as llm:
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             lora_request=LoRARequest("windowed", 1, adapter), use_tqdm=False)
@@ -143,12 +137,12 @@ def test_disable_sliding_window_caps_the_context(model, tmp_path):
         assert llm.llm_engine.model_config.max_model_len == WINDOW
         layers = [m for m in llm.executor.runner.model.modules() if isinstance(m, Attention)]
         assert layers and all(m.window is None for m in layers)
-        prompt = prompts(5, [8])[0]
+        prompt = random_prompts(5, [8])[0]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert out[0]["token_ids"] == hf_greedy(model, prompt, 8)
         with pytest.raises(ValueError, match=f"max_model_len={WINDOW}: shorten it or pass "
                                              "disable_sliding_window=False"):
-            llm.generate([prompts(6, [40])[0]], GREEDY, use_tqdm=False)
+            llm.generate([random_prompts(6, [40])[0]], GREEDY, use_tqdm=False)
         assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                             use_tqdm=False)[0]["token_ids"] == out[0]["token_ids"]  # (the engine still serves)
     plain = make_checkpoint(tmp_path / "qwen3", seed=7)
@@ -170,8 +164,8 @@ def no_tf32():
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False])
 def test_cuda_float32_matches_transformers(model, eager, no_tf32):
-    shared = prompts(2, [64])[0]
-    batch = [shared + p for p in prompts(3, [10, 31])] + prompts(4, [90, 100, 5])
+    shared = random_prompts(2, [64])[0]
+    batch = [shared + p for p in random_prompts(3, [10, 31])] + random_prompts(4, [90, 100, 5])
     with LLM(model, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=16,
              num_kvcache_blocks=24, max_model_len=256, max_num_batched_tokens=48, enable_prefix_caching=True) as llm:
         check(llm, model, batch[:1])
@@ -190,7 +184,7 @@ def test_cuda_bf16_with_graphs(model, kv_cache_dtype, tolerance, request):
     from tests.tiny_models import hf_model
     if "gemma2" in request.node.name:
         tolerance = max(tolerance, 0.35)
-    batch = prompts(5, [40, 97, 150, 23, 64, 128, 77, 200])
+    batch = random_prompts(5, [40, 97, 150, 23, 64, 128, 77, 200])
     with LLM(model, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=16,
              max_model_len=512, num_kvcache_blocks=128) as llm:
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
@@ -231,7 +225,7 @@ def test_gemma_under_tensor_parallelism(tmp_path, name):
     # TP=2 over gloo: the sandwich norms run on the all-reduced sublayer outputs, each rank's heads keep the window
     # and the soft-cap, the final cap applies to the gathered logits (Gemma 2)
     path = make_checkpoint(tmp_path / name, seed=7, **MODELS[name])
-    batch = prompts(6, [70, 9])
+    batch = random_prompts(6, [70, 9])
     with LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256) as llm:
         check(llm, path, batch)
 
@@ -250,7 +244,7 @@ def test_windows_over_an_fp8_cache(model):
     # model's large activations move them by up to 0.6 nats with or without a window, so only finiteness is
     # asked of them; tests/kernels checks the kernels on fp8 windows against the torch reference)
     import math
-    batch = prompts(8, [60, 111])
+    batch = random_prompts(8, [60, 111])
     with LLM(model, kv_cache_dtype="fp8", kvcache_block_size=16, max_model_len=256) as llm:
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
                             use_tqdm=False)
