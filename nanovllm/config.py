@@ -167,11 +167,15 @@ class Config:
         from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config, tokenizer_eos_id
         from nanovllm.models import language_model_config
         self.hf_config, self.image_token_ids = language_model_config(load_hf_config(self.model))
-        from nanovllm.models.decoder import context_length
+        from nanovllm.models.decoder import context_length, rope_settings
         stated = getattr(self.hf_config, "max_position_embeddings", None)
         max_pos = context_length(self.hf_config)
-        limit = f"max_position_embeddings={stated}" + (f" x its linear rope factor, {max_pos}" if max_pos != stated
-                                                        else "")
+        limit = f"max_position_embeddings={stated}"
+        if max_pos != stated:
+            scaling = rope_settings(self.hf_config)[1]
+            limit = (f"YaRN context, original_max_position_embeddings="
+                     f"{scaling['original_max_position_embeddings']} x factor {scaling['factor']:g} = {max_pos}"
+                     if scaling.get("rope_type") == "yarn" else f"{limit} x its linear rope factor, {max_pos}")
         if self.max_model_len is None:
             if not max_pos:
                 raise ValueError(f"max_model_len=None takes the model's own limit, but {self.model} states none "

@@ -1,4 +1,5 @@
 """Tiny random checkpoints made with transformers, saved with a small trained tokenizer; tiny GGUF files."""
+import copy
 import functools
 import json
 import os
@@ -87,7 +88,7 @@ def make_checkpoint(path, arch: str = "qwen3", tie: bool = True, num_kv_heads: i
                                  "gemma3": "Gemma3TextConfig"}[arch])
     if arch != "qwen2":
         common["head_dim"] = head_dim or hidden // num_heads
-    common.update(extra)
+    common.update(copy.deepcopy(extra))  # (transformers' config classes write into the dicts they are given)
     config = cls(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

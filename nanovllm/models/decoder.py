@@ -62,20 +62,30 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
         params = {**scaling, **params}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None)) or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("yarn", "llama3"):  # transformers' defaults: trained on max_position_embeddings, and YaRN's
+        # factor the ratio of the two
+        max_pos = getattr(config, "max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", max_pos)
+        if rope_type == "yarn" and params.get("factor") is None and max_pos:
+            params["factor"] = max_pos / params["original_max_position_embeddings"]
     return float(theta), (params if rope_type not in (None, "default") else None)
 
 
 def context_length(config) -> int | None:
-    """The positions the model takes: max_position_embeddings, times the factor of linear rope scaling (which
-    stretches the positions trained on; vLLM's _get_and_verify_max_len), except Gemma 3's, whose
-    max_position_embeddings is its whole context already."""
+    """The positions the model takes, as vLLM's _get_and_verify_max_len reckons them: max_position_embeddings, times
+    the factor of linear rope scaling (which stretches the positions trained on; not Gemma 3's, whose
+    max_position_embeddings is its whole context already); with YaRN the original context times its factor (Qwen's
+    model cards: 32,768 x 4 = 131,072)."""
     max_pos = getattr(config, "max_position_embeddings", None)
     _, scaling = rope_settings(config)
+    rope_type = scaling and scaling.get("rope_type", scaling.get("type"))
     gemma3 = any(str(a).startswith("Gemma3") for a in getattr(config, "architectures", None) or ())
-    if max_pos and scaling and scaling.get("rope_type", scaling.get("type")) == "linear" and not gemma3:
+    if max_pos and rope_type == "linear" and not gemma3:
         return int(max_pos * scaling["factor"])
+    if rope_type == "yarn" and scaling["original_max_position_embeddings"]:
+        return int(scaling["original_max_position_embeddings"] * scaling["factor"])
     return max_pos
 
 

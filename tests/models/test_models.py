@@ -12,6 +12,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41, 200, 17, 3, 99, 120, 7, 7, 250, 31, 64, 11, 18
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # Qwen's long-context setting
 
 # name -> make_checkpoint arguments
 FAMILIES = {
@@ -22,6 +23,9 @@ FAMILIES = {
     "llama_head_dim_32": dict(arch="llama", tie=False, head_dim=32),  # 4 heads x 32 != hidden 64
     "llama_biases": dict(arch="llama", tie=False, attention_bias=True, mlp_bias=True),
     "llama3_rope_scaling": dict(arch="llama", tie=False, rope_scaling=LLAMA3_ROPE),
+    "qwen3_yarn": dict(arch="qwen3", tie=False, rope_scaling=YARN_ROPE),
+    "llama_yarn_mscale": dict(arch="llama", tie=False, rope_scaling={**YARN_ROPE, "mscale": 2.0,
+                                                                      "mscale_all_dim": 1.0, "beta_fast": 16}),
     "mistral": dict(arch="mistral", tie=False, sliding_window=None),
     "mistral_window_4096": dict(arch="mistral", tie=False, num_kv_heads=1),  # MistralConfig's default window
 }
@@ -54,19 +58,53 @@ def test_llama3_rope_frequencies_match_transformers(tmp_path):
     assert not torch.allclose(ours, plain), "the test scaling should change the frequencies"
 
 
-def test_linear_rope_scaling_stretches_the_context(tmp_path):
-    """Linear rope scaling divides positions by its factor: the model's context is max_position_embeddings times
-    the factor, as vLLM computes it. A prompt past max_position_embeddings runs, with transformers' tokens."""
-    path = make_checkpoint(tmp_path, "llama", tie=False, max_position_embeddings=64,
-                           rope_scaling={"rope_type": "linear", "factor": 2.0})
-    prompt = list(range(3, 103))  # 100 tokens: past 64, within 128
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.8}, {"beta_fast": 8, "beta_slow": 2},
+                                   {"truncate": False}, {"mscale": 1.5, "mscale_all_dim": 0.5}, {"factor": 1.0}])
+def test_yarn_rope_tables_match_transformers(tmp_path, extra):
+    """YaRN's frequencies and the attention factor its cos/sin carry, against transformers' own, for each of the
+    settings it reads."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.models.decoder import head_dim_of, rope_settings
+    config = AutoConfig.from_pretrained(make_checkpoint(tmp_path, "qwen3", head_dim=32, rope_theta=1e6,
+                                                        rope_scaling={**YARN_ROPE, **extra}))
+    theta, scaling = rope_settings(config)
+    assert (theta, scaling["rope_type"]) == (1e6, "yarn")
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = RotaryEmbedding(head_dim_of(config), 512, theta, scaling).cos_sin_cache
+    freqs = torch.outer(torch.arange(512, dtype=torch.float), inv_freq.float())
+    torch.testing.assert_close(ours, torch.cat([freqs.cos(), freqs.sin()], -1) * attention, rtol=1e-5, atol=1e-5)
+    if scaling["factor"] > 1:
+        plain = RotaryEmbedding(head_dim_of(config), 512, theta, None).cos_sin_cache
+        assert not torch.allclose(ours, plain), "the test scaling should change the table"
+
+
+# (architecture, max_position_embeddings, rope_scaling, how a too-long prompt's error names the limit): 128 each
+SCALED_CONTEXTS = {
+    "linear": ("llama", 64, {"rope_type": "linear", "factor": 2.0},
+               "max_position_embeddings=64 x its linear rope factor, 128"),
+    "yarn": ("qwen3", 80, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+             "YaRN context, original_max_position_embeddings=64 x factor 2 = 128"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALED_CONTEXTS))
+def test_rope_scaling_stretches_the_context(tmp_path, kind):
+    """The context vLLM reckons for scaled rope: linear scaling divides positions by its factor, so it is
+    max_position_embeddings times the factor; YaRN's is the original context times its factor (Qwen's cards:
+    32,768 x 4 = 131,072, past max_position_embeddings 40,960). A prompt past max_position_embeddings runs, with
+    transformers' tokens; one past the context is refused, naming it."""
+    arch, max_pos, scaling, limit = SCALED_CONTEXTS[kind]
+    path = make_checkpoint(tmp_path, arch, tie=False, max_position_embeddings=max_pos, rope_scaling=scaling)
+    prompt = list(range(3, 103))  # 100 tokens: past max_position_embeddings, within 128
     with LLM(path, max_model_len=None, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
         assert llm.llm_engine.model_config.max_model_len == 128
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert out[0]["token_ids"] == hf_greedy(path, prompt, 8)
     with LLM(path, max_model_len=4096, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
-        with pytest.raises(ValueError, match="capped at this model's max_position_embeddings=64 x its linear rope "
-                                             "factor, 128"):
+        with pytest.raises(ValueError, match=f"capped at this model's {limit}"):
             llm.generate([list(range(3, 203))], use_tqdm=False)
 
 
@@ -81,8 +119,8 @@ def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
     real = RotaryEmbedding(16, 64, 10000.0)
     assert meta.cos_sin_cache.is_meta and meta.cos_sin_cache.shape == real.cos_sin_cache.shape == (64, 16)
     assert meta.cos_sin_cache.dtype == real.cos_sin_cache.dtype == torch.float32
-    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"), torch.device("meta"):
-        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn"})
+    with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"), torch.device("meta"):
+        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_eos_list_in_generation_config_stops(tmp_path):
