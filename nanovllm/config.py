@@ -1,5 +1,6 @@
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -62,6 +63,9 @@ class Config:
     # the whole context, so no layer is windowed; no effect on a model without windows
     disable_sliding_window: bool = False
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (docs/usage.md)
+    # vLLM's: changes to config.json made at load (e.g. {"rope_scaling": {"rope_type": "yarn", ...}}), or a function
+    # given transformers' config that returns it (checkpoint/hf_overrides.py)
+    hf_overrides: dict | Callable | None = None
 
     # Filled in by from_kwargs and __post_init__ (not options).
     model_id: str = field(default=None, init=False, repr=False)  # the model as given: a Hub id, or `model` itself
@@ -166,7 +170,7 @@ class Config:
 
         from nanovllm.checkpoint.loader import load_eos_token_ids, load_hf_config, tokenizer_eos_id
         from nanovllm.models import language_model_config
-        self.hf_config, self.image_token_ids = language_model_config(load_hf_config(self.model))
+        self.hf_config, self.image_token_ids = language_model_config(load_hf_config(self.model, self.hf_overrides))
         from nanovllm.models.decoder import context_length, rope_settings
         stated = getattr(self.hf_config, "max_position_embeddings", None)
         max_pos = context_length(self.hf_config)
@@ -223,6 +227,14 @@ class Config:
                         f"the KV cache is {str(self.kv_cache_torch_dtype).removeprefix('torch.')} "
                         "(kv_cache_dtype='auto'; kv_cache_dtype='fp8' scales each token and head itself)")
 
+    def __getstate__(self) -> dict:
+        # Tensor-parallel ranks take this config pickled, hf_config with it: an hf_overrides function has done its
+        # work, and would not pickle if it is a lambda
+        state = dict(self.__dict__)
+        if callable(state["hf_overrides"]):
+            state["hf_overrides"] = None
+        return state
+
     def _check_expert_parallel(self):
         """vLLM's enable_expert_parallel=True. vLLM refuses it for a model without experts. On an MoE model it places
         whole experts on each GPU (on one GPU: all of them, as here) instead of a slice of every expert, where each
@@ -252,8 +264,10 @@ class Config:
                              "keeps at least the adapters on the device")
 
     def _check_types(self):
+        from nanovllm.checkpoint.hf_overrides import check_hf_overrides
+        check_hf_overrides(self.hf_overrides)
         for f in fields(self):
-            if not f.init or f.name == "model":
+            if not f.init or f.name in ("model", "hf_overrides"):
                 continue
             value, expected = getattr(self, f.name), f.type
             if value is None and expected in (bool | None, int | None, str | None):  # None: decided later

@@ -6,7 +6,6 @@ from dataclasses import MISSING
 DEFAULT_ONLY = {
     "tokenizer_mode": ("auto", "only the checkpoint's own (Hugging Face) tokenizer is used"),
     "code_revision": (None, "no remote code is run: nanovllm runs its own model code"),
-    "hf_overrides": (None, "config.json is read as it is"),
     "swap_space": (4, "preempted sequences are recomputed, never swapped to host memory"),
     "cpu_offload_gb": (0, "weights are not offloaded to host memory"),
     "mm_processor_kwargs": (None, "nanovllm serves text prompts only"),
@@ -42,7 +41,7 @@ DEFAULT_ONLY = {
 # other values that name what nanovllm does, accepted as the default is (an empty dict: nothing overridden, vLLM's
 # default for some of these)
 SAME_AS_DEFAULT = {"task": ("generate",), "runner": ("generate",), "convert": ("none",), "tokenizer_mode": ("hf",),
-                   "config_format": ("hf",), "hf_overrides": ({},), "limit_mm_per_prompt": ({},),
+                   "config_format": ("hf",), "limit_mm_per_prompt": ({},),
                    "mm_processor_kwargs": ({},), "override_generation_config": ({},), "compilation_config": ({},)}
 # accepted at any value: they change nothing here (trust_remote_code: nanovllm runs its own model code)
 NO_EFFECT = ("trust_remote_code", "disable_custom_all_reduce", "enable_sleep_mode", "disable_log_stats",

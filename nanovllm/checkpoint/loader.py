@@ -10,7 +10,8 @@ from glob import glob
 import torch
 from torch import nn
 
-from nanovllm.checkpoint.plain_config import read_plain_config
+from nanovllm.checkpoint.hf_overrides import apply_function, merge_overrides
+from nanovllm.checkpoint.plain_config import read_config_json, read_plain_config
 
 
 def resolve_checkpoint(model: str) -> str:
@@ -27,15 +28,24 @@ def resolve_checkpoint(model: str) -> str:
     return model
 
 
-def load_hf_config(model: str):
+def load_hf_config(model: str, overrides: dict | Callable | None = None):
     """The checkpoint's config: a PlainConfig read from config.json alone where the plain reader can vouch for every
-    field the engine reads (milliseconds, and transformers is not imported), else transformers' AutoConfig."""
+    field the engine reads (milliseconds, and transformers is not imported), else transformers' AutoConfig.
+    `overrides`: vLLM's hf_overrides, a dict applied to config.json's fields before either reads them, or a function
+    given transformers' config (checkpoint/hf_overrides.py)."""
     path = resolve_checkpoint(model)
-    config = read_plain_config(path)
+    if callable(overrides):
+        from transformers import AutoConfig
+        return apply_function(AutoConfig.from_pretrained(path), overrides)
+    raw = merge_overrides(read_config_json(path), overrides) if overrides else None
+    config = read_plain_config(path, raw)
     if config is not None:
         return config
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    if raw is None:
+        return AutoConfig.from_pretrained(path)
+    fields = dict(raw)
+    return AutoConfig.for_model(fields.pop("model_type", None), **fields)
 
 
 # the vocabulary files tokenizers are saved with (fast: tokenizer.json; BPE: vocab.json; WordPiece: vocab.txt;

@@ -118,10 +118,9 @@ _FAMILIES = {
 }
 
 
-def read_plain_config(checkpoint: str) -> PlainConfig | None:
-    """The config.json of checkpoint directory `checkpoint` as transformers' config would give the engine's fields,
-    or None where only transformers can be sure of them (the reason is logged at DEBUG). ValueError naming the file
-    when it is not a JSON object."""
+def read_config_json(checkpoint: str) -> dict:
+    """config.json of checkpoint directory `checkpoint` as a dict; ValueError naming the file when it is not a JSON
+    object."""
     path = os.path.join(checkpoint, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -130,10 +129,18 @@ def read_plain_config(checkpoint: str) -> PlainConfig | None:
         raise ValueError(f"{path} is not valid JSON ({e}); restore the checkpoint's config.json") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object of config fields")
+    return raw
+
+
+def read_plain_config(checkpoint: str, raw: dict | None = None) -> PlainConfig | None:
+    """config.json's fields (`raw`, else read from checkpoint directory `checkpoint`) as transformers' config would
+    give the engine's fields, or None where only transformers can be sure of them (the reason is logged at DEBUG)."""
+    if raw is None:
+        raw = read_config_json(checkpoint)
     try:
         return _plain_config(raw)
     except _NotPlain as e:
-        logger.debug("%s is read by transformers: %s", path, e)
+        logger.debug("%s's config is read by transformers: %s", checkpoint, e)
         return None
 
 

@@ -238,6 +238,12 @@ class DataParallelLLM(Frontend):
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)  # every option checked before a process starts
+        if callable(config.hf_overrides):  # (each replica loads the config itself, applying the function)
+            try:
+                pickle.dumps(config.hf_overrides)
+            except Exception as e:
+                raise TypeError(f"with data_parallel_size > 1 the hf_overrides function must pickle, as each replica "
+                                f"applies it ({e}): define it at a module's top level, or pass a dict") from None
         n, tp = config.data_parallel_size, config.tensor_parallel_size
         gpus = None
         if config.device == "cuda":

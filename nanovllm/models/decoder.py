@@ -62,7 +62,9 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
         params = {**scaling, **params}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None)) or 10000.0
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if theta is None:  # (transformers 5 leaves it so where code sets config.rope_scaling on a loaded config)
+        raise ValueError(f"the model's rope parameters {params} have no rope_theta; give it beside the scaling")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in ("yarn", "llama3"):  # transformers' defaults: trained on max_position_embeddings, and YaRN's
         # factor the ratio of the two

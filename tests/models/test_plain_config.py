@@ -208,7 +208,7 @@ class _Recorder:
 def test_engine_reads_only_the_listed_fields(checkpoints, monkeypatch, name):
     names: set[str] = set()
     monkeypatch.setattr(loader, "load_hf_config",
-                        lambda model: _Recorder(auto_config(loader.resolve_checkpoint(model)), names))
+                        lambda model, overrides: _Recorder(auto_config(loader.resolve_checkpoint(model)), names))
     with LLM(checkpoints[name], num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         config = copy.copy(llm.config)

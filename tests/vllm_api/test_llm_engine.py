@@ -528,7 +528,7 @@ def test_engine_args_read_sizes_as_vllm_does(model):
 
 def test_engine_args_read_json_flags(model):
     """Dict- and config-valued flags read JSON, as vLLM's command line does: the empty dict, vLLM's default for
-    --hf-overrides, is accepted; a dict of overrides is refused by LLM(...) naming it, as in code."""
+    --hf-overrides, is accepted, and a dict of overrides changes the model's config, as in code."""
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", model, "--hf-overrides", "{}", "--limit-mm-per-prompt", "{}",
                               "--compilation-config", "{}", "--speculative-config", "None"])
@@ -537,8 +537,11 @@ def test_engine_args_read_json_flags(model):
     assert engine_args.speculative_config is None
     assert Config.from_kwargs(model, **engine_args.options).max_model_len == 2048
     args = parser.parse_args(["--model", model, "--hf-overrides", '{"rope_theta": 1000000}'])
-    with pytest.raises(ValueError, match=r"^hf_overrides=\{'rope_theta': 1000000\} is not supported"):
-        LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        assert engine.get_model_config().hf_config.rope_parameters["rope_theta"] == 1000000
+    finally:
+        engine.llm.exit()
     assert parser.parse_args(["--compilation-config", '{"level": 0}']).compilation_config == {"level": 0}
     with pytest.raises(SystemExit):
         parser.parse_args(["--hf-overrides", '{"rope_theta": 1'])

@@ -66,13 +66,12 @@ def test_vllm_values_that_name_what_nanovllm_does(model):
     cfg = Config.from_kwargs(model, task="generate", runner="generate", convert="none", tokenizer_mode="hf",
                              config_format="hf")
     assert cfg.max_model_len == 2048
-    # an empty dict overrides nothing (vLLM's default for hf_overrides, limit_mm_per_prompt and
-    # override_generation_config; CompilationConfig's own defaults)
+    # an empty dict overrides nothing (vLLM's default for hf_overrides, which takes others too:
+    # tests/models/test_hf_overrides.py; for limit_mm_per_prompt and override_generation_config; CompilationConfig's
+    # own defaults)
     empty = ("hf_overrides", "limit_mm_per_prompt", "mm_processor_kwargs", "override_generation_config",
              "compilation_config")
     assert Config.from_kwargs(model, **{name: {} for name in empty}).max_model_len == 2048
-    with pytest.raises(ValueError, match=r"^hf_overrides=\{'rope_theta': 1\} is not supported: .* None or \{\} is"):
-        Config.from_kwargs(model, hf_overrides={"rope_theta": 1})
     with pytest.raises(ValueError, match=r"^runner='pooling' is not supported: .*'auto' or 'generate' is accepted"):
         Config.from_kwargs(model, runner="pooling")
 
