@@ -49,9 +49,9 @@ class LLMEngine:
     the requests that step advanced, abort_request, has_unfinished_requests. SamplingParams.output_kind picks what a
     step returns for a request: CUMULATIVE (the default) its whole output so far, with every sample in `outputs`;
     DELTA only the new tokens, text and logprobs of the samples that advanced; FINAL_ONLY one output, when it
-    finishes. While a request runs its text holds back what may still become a stop string. An aborted request
-    returns nothing more. The engine's other methods (LoRA, sleep, prefix cache, tokenizer, model_config) are the
-    LLM's."""
+    finishes. While a request runs its text holds back what may still become a stop string that the text would
+    leave out (nothing with include_stop_str_in_output, as in vLLM). An aborted request returns nothing more. The
+    engine's other methods (LoRA, sleep, prefix cache, tokenizer, model_config) are the LLM's."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -168,7 +168,8 @@ class LLMEngine:
         request.tokens[i] = settled
         new_tokens = seq.token_ids[p + start:p + settled]  # (a delta copies only what is new: no pass over it all)
         text = self.llm._text(seq)
-        end = len(text) if seq.is_finished else len(text) - stop_holdback(text, sp.stop_strings)
+        end = len(text) if seq.is_finished else \
+            len(text) - stop_holdback(text, sp.stop_strings, sp.include_stop_str_in_output)
         text_start, request.chars[i] = request.chars[i], max(request.chars[i], end)
         logprobs = cumulative = None
         if sp.logprobs is not None:

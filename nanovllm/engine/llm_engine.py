@@ -827,8 +827,9 @@ class StreamDeltas:
     def __call__(self, updated: list[Sequence]) -> list[dict]:
         items = []
         for seq in updated:
-            text, stops = self.engine._text(seq), seq.sampling_params.stop_strings
-            end = len(text) if seq.is_finished else len(text) - stop_holdback(text, stops)
+            text, sp = self.engine._text(seq), seq.sampling_params
+            end = len(text) if seq.is_finished else \
+                len(text) - stop_holdback(text, sp.stop_strings, sp.include_stop_str_in_output)
             start = self.emitted[seq.seq_id]
             self.emitted[seq.seq_id] = max(start, end)
             item = {"index": self.index[seq.seq_id], "sample_index": seq.sample_index, "text": text[start:end],

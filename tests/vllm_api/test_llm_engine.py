@@ -144,6 +144,24 @@ def test_delta_cumulative_logprob_is_the_running_sum(llm):
                                      .cumulative_logprob)
 
 
+def test_a_running_text_that_keeps_its_stop_string_holds_nothing_back(llm):
+    """vLLM holds back the last len(longest stop) - 1 characters of a running text only where the stop string would
+    be cut off: with include_stop_str_in_output each step's text is all the text so far, as without stop strings
+    (and so is a stream's)."""
+    def run(**stops):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **stops)
+        engine.add_request("r", [5, 6, 7], params)
+        texts = []
+        while engine.has_unfinished_requests():
+            texts += [out.outputs[0].text for out in engine.step()]
+        return texts, [d["text"] for d in llm.stream([[5, 6, 7]], params)]
+
+    engine = llm.llm_engine
+    plain = run()
+    assert len(plain[0]) == 6 and plain[0][0]  # (a text at every step)
+    assert run(stop=["never in the text"], include_stop_str_in_output=True) == plain
+
+
 def test_abort_frees_a_request_and_leaves_the_others_exact(llm):
     engine = llm.llm_engine
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
