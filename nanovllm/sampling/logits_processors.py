@@ -32,7 +32,8 @@ class LogitsProcessor:
 
 
 class MinTokensProcessor(LogitsProcessor):
-    """Until a row has min_tokens completion tokens, EOS and its stop_token_ids may not be sampled."""
+    """Until a row has min_tokens completion tokens, EOS and its stop_token_ids may not be sampled; EOS with
+    ignore_eos too, as vLLM bans its all_stop_token_ids (min_tokens=max_tokens, ignore_eos=True: no EOS at all)."""
 
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = list(eos_token_ids)
@@ -42,7 +43,7 @@ class MinTokensProcessor(LogitsProcessor):
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
             if seq.num_completion_tokens < sp.min_tokens:
-                banned = sp.stop_token_ids + ([] if sp.ignore_eos else self.eos_token_ids)
+                banned = sp.stop_token_ids + self.eos_token_ids
                 rows += [i] * len(banned)
                 ids += banned
         return (to_device(rows, torch.int64), to_device(ids, torch.int64)) if rows else None

@@ -197,6 +197,16 @@ def test_the_tokenizers_eos_ends_a_sequence(base, tmp_path):
         assert other.outputs[0].token_ids == [0] and other.outputs[0].stop_reason == 0
 
 
+def test_min_tokens_bans_eos_under_ignore_eos_too(base):
+    """vLLM's min_tokens bans every stop token id, EOS included, whatever ignore_eos says (its all_stop_token_ids):
+    with min_tokens = max_tokens and ignore_eos, the fixed-length runs of a benchmark, no EOS is generated."""
+    with LLM(base, **SMALL) as llm:
+        eos = llm.get_tokenizer().eos_token_id
+        params = SamplingParams(max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+        ids = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert eos not in ids[:3] and ids[3:] == [eos] * 3
+
+
 def test_max_new_tokens_and_max_tokens_none(base, tmp_path):
     path = shutil.copytree(base, tmp_path / "model")
     config = json.loads((path / "generation_config.json").read_text())
