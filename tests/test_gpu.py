@@ -44,6 +44,23 @@ def test_cuda_greedy_matches_transformers(qwen3_tied, backend, block_size, eager
     llm.exit()
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_cuda_yarn_matches_transformers(tmp_path, eager):
+    """YaRN (its attention factor carried by the cos/sin table) through the fused q/k-norm rotary kernel, eager and
+    under graphs, on prompts past the original context."""
+    from tests.tiny_models import make_checkpoint
+    path = make_checkpoint(tmp_path, "qwen3", tie=False, rope_theta=1e6, max_position_embeddings=256,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=None, kvcache_block_size=16, num_kvcache_blocks=64,
+              enforce_eager=eager)
+    assert llm.config.max_model_len == 256
+    prompts = _prompts(3, [40, 150, 230])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(path, prompt, 16)
+    llm.exit()
+
+
 def test_cuda_chunked_prefill_prefix_cache_and_preemption(qwen3_untied_mha):
     llm = LLM(qwen3_untied_mha, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=40,
               max_model_len=256, max_num_batched_tokens=100)
