@@ -388,15 +388,19 @@ class ModelRunner:
     def sample(self, step: LaunchedStep) -> PendingStep:
         """Sample a launched step's tokens on the device (rank 0), the logits processors' bookkeeping included, and
         start copying them to the host: `settle` reads them."""
-        tokens, logprobs = self.sampler(step.logits, step.sampling, self.generator)
-        if self.share_tokens and tokens.numel():
-            tokens = self.group.broadcast(tokens.to(torch.int64).contiguous(), 0)
-        pending = PendingStep(step.batch, tokens, self._to_host(tokens),
-                              tuple(self._to_host(t) if t is not None else None for t in logprobs)
-                              if logprobs is not None else None, step.prompt_logprobs)
-        if self.is_cuda:
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
+        try:
+            tokens, logprobs = self.sampler(step.logits, step.sampling, self.generator)
+            if self.share_tokens and tokens.numel():
+                tokens = self.group.broadcast(tokens.to(torch.int64).contiguous(), 0)
+            pending = PendingStep(step.batch, tokens, self._to_host(tokens),
+                                  tuple(self._to_host(t) if t is not None else None for t in logprobs)
+                                  if logprobs is not None else None, step.prompt_logprobs)
+            if self.is_cuda:
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()
+        except BaseException:  # the step is sampled again: as if it had not been sampled
+            self.sampler.rollback(step.sampling)
+            raise
         return pending
 
     def launch_chained(self, batch: ScheduledBatch) -> None:
@@ -461,7 +465,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput | None:
         """One step, waited for; rank 0 returns what `settle` returns, other ranks None."""
         step = self.launch(batch)
-        return self.settle(self.sample(step)) if step is not None else None
+        if step is None:
+            return None
+        try:
+            return self.settle(self.sample(step))
+        except BaseException:
+            # its tokens are dropped and step() samples it again: a seeded request must draw the same numbers, and
+            # penalties must count its token once
+            self.sampler.rollback(step.sampling)
+            raise
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """Copy whole KV blocks (every layer, K and V), after the step that wrote the sources."""

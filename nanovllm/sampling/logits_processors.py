@@ -30,6 +30,10 @@ class LogitsProcessor:
     def update(self, state, tokens: torch.Tensor):
         """After sampling: tokens [batch] int64 on the device (for processors that keep a history)."""
 
+    def undo(self, state):
+        """Forget what `update` recorded with `state` (nothing if it did not run): the step's tokens were dropped,
+        and it is sampled again. Safe to call twice."""
+
 
 class MinTokensProcessor(LogitsProcessor):
     """Until a row has min_tokens completion tokens, EOS and its stop_token_ids may not be sampled; EOS with
@@ -196,8 +200,20 @@ class PenaltiesProcessor(LogitsProcessor):
         """Record the tokens of the rows that really sampled (not a chunk of a longer prefill). Each sequence has
         one row, so no (line, token) pair repeats; a row that did not sample adds nothing."""
         lines, sampled = state["lines"], state["sampled"]
-        self.seen[lines, tokens] = self.seen[lines, tokens] | sampled
+        before = self.seen[lines, tokens]
+        state["seen_before"] = tokens, before  # (for undo: set before anything is written)
+        self.seen[lines, tokens] = before | sampled
         self.counts.index_put_((lines, tokens), sampled.to(self.counts.dtype), accumulate=True)
+        state["counted"] = True
+
+    def undo(self, state):
+        if "seen_before" not in state:
+            return
+        lines, sampled = state["lines"], state["sampled"]
+        tokens, before = state.pop("seen_before")
+        self.seen[lines, tokens] = before
+        if state.pop("counted", False):
+            self.counts.index_put_((lines, tokens), -sampled.to(self.counts.dtype), accumulate=True)
 
 
 @dataclass

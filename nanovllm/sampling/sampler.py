@@ -41,6 +41,7 @@ class SamplingTensors:
     min_ps: torch.Tensor | None = None  # [batch] float32; 0 when off
     processors: list[tuple[LogitsProcessor, object]] = field(default_factory=list)  # with this step's state
     generators: list[tuple[int, torch.Generator]] | None = None  # seeded rows and their generators (not keyed)
+    generator_states: list[torch.Tensor] | None = None  # theirs before this step drew (Sampler.rollback)
     # Keyed draws (CUDA), when some row is seeded: each row's Philox key and stream (kernels/race.py). A seeded row's
     # key is its seed and its stream the position its token takes + 1, so its draws depend on neither the batch nor
     # the step; stream 0: an unseeded row, keyed by the step's seed and its row.
@@ -129,6 +130,8 @@ class Sampler(nn.Module):
         sampled token's logprob [batch], its rank [batch]) from the raw distribution (with the grammar's constraint
         applied, as in vLLM: tokens it forbids have logprob -inf), or in a processed logprobs_mode from the one the
         token is drawn from (processed_logits: see that function)."""
+        if st.generators:  # (where the seeded rows' draws start: rollback goes back there)
+            st.generator_states = [gen.get_state() for _, gen in st.generators]
         filtered = st.top_ks is not None or st.top_ps is not None or st.min_ps is not None
         fused_logprobs = self._fused_logprobs(st.num_logprobs, logits.size(1))
         if (st.num_logprobs >= 0 and not fused_logprobs) or st.processors or filtered:
@@ -171,6 +174,18 @@ class Sampler(nn.Module):
         if self.processed:
             raw = processed_logits(logits, st, kept)
         return tokens, self.logprobs(raw, st.num_logprobs, tokens)
+
+    def rollback(self, st: SamplingTensors):
+        """Undo what sampling with `st` left behind for its requests: the seeded rows' generators go back to where
+        its draws started, and the processors forget its tokens (penalties' counts). For a step whose tokens are
+        dropped and that is sampled again (a step() that raised after sampling), whose seeded rows must draw the
+        same numbers and whose tokens must be counted once. Safe to call twice, and before `forward` ran."""
+        if st.generator_states is not None:
+            for (_, gen), state in zip(st.generators, st.generator_states):
+                gen.set_state(state)
+            st.generator_states = None
+        for processor, state in st.processors:
+            processor.undo(state)
 
     def _step_seed(self, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
         """This step's seed for the race's own draws: one element of a block drawn at once, so that a step launches

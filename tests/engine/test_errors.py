@@ -387,3 +387,27 @@ def test_step_after_a_failed_prefill_computes_the_prompts_again(qwen3_tied):
         fail_a_step_then_finish(llm, "run")
         assert seq.completion_token_ids == want.outputs[0].token_ids
         assert seq.prompt_logprobs == want.prompt_logprobs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+def test_a_step_that_raised_after_sampling_is_sampled_again_as_new(qwen3_tied, async_scheduling):
+    """A step() that raises after its tokens were drawn (a Ctrl-C while they are copied to the host or, in the plain
+    loop, waited for) drops them, and the next step() samples the step again. That second draw must be the first's:
+    a seeded sample (on CPU: its own generator) drew new numbers, and frequency and repetition penalties counted the
+    dropped token as generated, so each request's tokens differed from a fresh engine's."""
+    from tests.engine.faults import fail_after_sampling
+    params = [SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, frequency_penalty=1.5, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=8, ignore_eos=True)]
+    prompts = [[1, 2, 3, 1, 2, 3], [7, 8, 9, 7, 8, 9], [4, 5, 4, 5, 4, 5]]
+    with LLM(qwen3_tied, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256,
+             async_scheduling=async_scheduling) as llm:
+        want = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+        points = ["_to_host"] if async_scheduling else ["_to_host", "settle"]  # (async: a failed settle is read again)
+        for method in points:
+            for at in (1, 2, 5):  # the prefill, then decode steps
+                firsts = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+                samples = [[seq, *seq.forks] for seq in firsts]
+                fail_after_sampling(llm, method, at)
+                assert [[s.completion_token_ids for s in ss] for ss in samples] == want, (method, at)
+                assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
