@@ -136,51 +136,68 @@ class LLMEngine:
             # What each request gained is read from its samples, not from the sequences llm.step() returns: a step
             # that raised after applying some tokens (async scheduling: the launch after a step it settled) returned
             # none, and a request it finished would never be returned (has_unfinished_requests() True for good).
-            outputs = []
+            # The books (what each request has been given, which are done) change only once every output is made:
+            # should making them raise (a KeyboardInterrupt while decoding text), the next step() returns them all.
+            outputs, commits, done = [], [], []
             for rid, request in list(self._requests.items()):  # (in the order they were added)
                 advanced = [seq for seq in request.samples if _num_settled(seq) > request.tokens[seq.sample_index]]
                 finished = all(seq.is_finished for seq in request.samples)
                 if not advanced and not finished:
                     continue
                 if finished:
-                    del self._requests[rid]
+                    done.append(rid)
                 if request.kind != RequestOutputKind.FINAL_ONLY or finished:
-                    outputs.append(self._output(rid, request, advanced, finished))
+                    outputs.append(self._output(rid, request, advanced, finished, commits))
+            for commit in commits:
+                commit()
+            for rid in done:
+                del self._requests[rid]
             return outputs
 
-    def _output(self, request_id: str, request: _Request, advanced: list[Sequence], finished: bool) -> RequestOutput:
+    def _output(self, request_id: str, request: _Request, advanced: list[Sequence], finished: bool,
+                commits: list) -> RequestOutput:
+        """The request's output; what returning it changes in `request` is appended to `commits`, to run once the
+        step's outputs are all made."""
         llm, first = self.llm, request.samples[0]
         sp = first.sampling_params
         delta = request.kind == RequestOutputKind.DELTA
         if request.prompt_logprobs is None and sp.prompt_logprobs is not None:
             request.prompt_logprobs = llm._logprobs(first.prompt_logprobs, sp.detokenize)
         prompt_logprobs = None if delta and request.prompt_returned else request.prompt_logprobs
-        request.prompt_returned = True
+        commits.append(lambda: setattr(request, "prompt_returned", True))
         samples = advanced if delta else request.samples
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, prompt_logprobs,
-                             [self._sample(request, seq, delta) for seq in samples], finished,
+                             [self._sample(request, seq, delta, commits) for seq in samples], finished,
                              max(first.num_prefix_hit_tokens, 0), lora_request=first.lora_request)
 
-    def _sample(self, request: _Request, seq: Sequence, delta: bool) -> CompletionOutput:
-        """One sample's CompletionOutput: all of it so far, or (delta) what it gained since it was last returned."""
+    def _sample(self, request: _Request, seq: Sequence, delta: bool, commits: list) -> CompletionOutput:
+        """One sample's CompletionOutput: all of it so far, or (delta) what it gained since it was last returned.
+        Appends to `commits` the update of `request` that records it as returned."""
         i, sp, p = seq.sample_index, seq.sampling_params, seq.num_prompt_tokens
         start, settled = request.tokens[i], _num_settled(seq)
-        request.tokens[i] = settled
         new_tokens = seq.token_ids[p + start:p + settled]  # (a delta copies only what is new: no pass over it all)
         text = self.llm._text(seq)
         end = len(text) if seq.is_finished else \
             len(text) - stop_holdback(text, sp.stop_strings, sp.include_stop_str_in_output)
-        text_start, request.chars[i] = request.chars[i], max(request.chars[i], end)
-        logprobs = cumulative = None
+        text_start, chars = request.chars[i], max(request.chars[i], end)
+        logprobs = cumulative = kept = None
         if sp.logprobs is not None:
             new = self.llm._logprobs(seq.logprobs[start:settled], sp.detokenize)
-            request.cumulative[i] += sum(entry[t] for entry, t in zip(new, new_tokens))
-            cumulative = request.cumulative[i]
+            cumulative = request.cumulative[i] + sum(entry[t] for entry, t in zip(new, new_tokens))
             if delta:
                 logprobs = new
-            else:  # (kept only where whole outputs read them again)
-                request.logprobs[i].extend(new)
-                logprobs = request.logprobs[i].copy()
+            else:  # (kept only where whole outputs read them again; a new list: the kept one is the last output's)
+                kept = request.logprobs[i].copy()
+                kept.extend(new)
+                logprobs = kept.copy()
+
+        def commit():
+            request.tokens[i], request.chars[i] = settled, chars
+            if cumulative is not None:
+                request.cumulative[i] = cumulative
+            if kept is not None:
+                request.logprobs[i] = kept
+        commits.append(commit)
         if delta:
             return CompletionOutput(i, text[text_start:end], new_tokens, cumulative, logprobs, seq.finish_reason,
                                     seq.stop_reason)

@@ -224,6 +224,43 @@ def test_a_request_finished_by_a_step_that_raised_is_still_returned(llm, kind):
     assert llm.is_finished()
 
 
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY], ids=lambda k: k.name)
+def test_a_step_interrupted_while_making_outputs_loses_none(llm, kind):
+    """A KeyboardInterrupt while step() makes its outputs (decoding a sample's text), after the engine's step
+    applied its tokens: a request that step finished was dropped before its output was made, so it was never
+    returned (has_unfinished_requests() False), and a DELTA sample's tokens made before the interrupt were counted
+    as returned. The next step() returns everything."""
+    engine = llm.llm_engine
+    requests = [([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)),
+                ([4, 5, 6], SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=9, ignore_eos=True, logprobs=0))]
+    want = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt, params in requests]
+    for at in range(1, 22, 4):
+        for i, (prompt, params) in enumerate(requests):
+            params.output_kind = kind
+            engine.add_request(str(i), prompt, params)
+        got = {}
+        with mock.patch.object(llm, "_text", side_effect=_failing_once(llm._text, at)):
+            while engine.has_unfinished_requests():
+                try:
+                    outs = engine.step()
+                except KeyboardInterrupt:
+                    continue
+                for out in outs:
+                    for c in out.outputs:
+                        key = (out.request_id, c.index)
+                        if kind == DELTA:
+                            got.setdefault(key, [[], []])[0].extend(c.token_ids)
+                            got[key][1].extend(c.logprobs)
+                        elif out.finished:
+                            got[key] = [list(c.token_ids), list(c.logprobs)]
+        assert {key: tokens for key, (tokens, _) in got.items()} == {
+            (str(i), c.index): c.token_ids for i, w in enumerate(want) for c in w.outputs}, at
+        for i, w in enumerate(want):
+            for c in w.outputs:
+                assert_logprobs_close(got[str(i), c.index][1], c.logprobs)
+        assert llm.is_finished()
+
+
 def test_a_refused_abort_keeps_the_request(llm):
     """abort_request refused (Busy: another call holds the LLM) leaves the request running and known, so a later
     abort frees it; a view that forgot it would leave its sequences running unseen."""
