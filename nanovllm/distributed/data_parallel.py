@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import signal
-import threading
 import time
 import traceback
 import weakref
@@ -29,7 +28,7 @@ from multiprocessing import connection, get_context
 from nanovllm.config import Config
 from nanovllm.distributed.process import leave_now
 from nanovllm.distributed.tensor_parallel import SPAWN_HINT
-from nanovllm.engine.call_guard import CallGuard, Stream
+from nanovllm.engine.call_guard import CallGuard, Stream, interrupt_after
 from nanovllm.engine.llm_engine import StreamDeltas, check_awake, default_sampling_params
 from nanovllm.engine.requests import RequestChecker, as_request_lists
 from nanovllm.frontend import Frontend
@@ -62,26 +61,6 @@ def route(tokens: list[int], keys: list, num_replicas: int) -> list[list[int]]:
         shares[r] += members
         load[r] += sum(tokens[i] for i in members)
     return [sorted(share) for share in shares]
-
-
-@contextmanager
-def whole_messages():
-    """A KeyboardInterrupt (SIGINT) that comes while a message is read or written is raised after it, not half-way:
-    a pipe left with half a message would hand the next call garbage. (Only the main thread receives SIGINT.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            if callable(previous):
-                previous(signal.SIGINT, caught[0])
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
 
 
 # ---- the replica's side ---------------------------------------------------------------------------------
@@ -319,7 +298,7 @@ class DataParallelLLM(Frontend):
             return None
         if conn in ready:
             try:
-                with whole_messages():
+                with interrupt_after():  # (half a message left in the pipe would be the next call's garbage)
                     message = conn.recv()
             except (EOFError, OSError):
                 message = None
@@ -338,7 +317,7 @@ class DataParallelLLM(Frontend):
         return self._read(rank)[2]
 
     def _send(self, rank: int, message: tuple):
-        with self._pipes(), whole_messages():
+        with self._pipes(), interrupt_after():
             self.conns[rank].send(message)
 
     @contextmanager

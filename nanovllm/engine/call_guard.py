@@ -2,9 +2,31 @@
 the call that is running; a second caller meanwhile, from another thread or from the same thread while its stream is
 open, would interleave with it. The second caller is refused at once: waiting could deadlock a thread on its own
 stream."""
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+
+@contextmanager
+def interrupt_after():
+    """A KeyboardInterrupt (SIGINT) that comes inside the block is raised when the block ends, not half-way: for work
+    that must be done whole (a message read from or written to a pipe; a step's tokens applied to its requests).
+    Only the main thread receives SIGINT: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 class Busy(RuntimeError):

@@ -6,6 +6,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -14,7 +15,7 @@ from nanovllm.checkpoint.loader import check_tokenizer_files, load_generation_co
 from nanovllm.config import Config
 from nanovllm.distributed.executor import Executor, UniprocExecutor
 from nanovllm.engine.batch import ScheduledBatch, StepOutput
-from nanovllm.engine.call_guard import CallGuard, Stream
+from nanovllm.engine.call_guard import CallGuard, Stream, interrupt_after
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_after, find_stop, stop_holdback
 from nanovllm.engine.requests import Prompt, RequestChecker, as_request_lists
 from nanovllm.engine.scheduler import Scheduler
@@ -225,6 +226,10 @@ class LLMEngine:
         # tokens are still on the device, and the next step reads them first (sampling it again would draw a seeded
         # request's next numbers, and leave its placeholders in the output)
         self._unsettled = None
+        # step() and reset_prefix_cache(): their requests outlive a call that raises, so a Ctrl-C while a step's tokens
+        # are applied (scheduler, grammars, texts) waits until they all are: half applied, a request would miss a
+        # piece of its text, or decode a position again (generate and stream cancel theirs: no wait)
+        self._apply_whole = False
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
         # sleep(level=2) or a weight update that failed while writing: the weights are not a whole set until an
         # update_weights sends every one (the value says why, for the error)
@@ -307,7 +312,7 @@ class LLMEngine:
                     logger.warning("reset_prefix_cache(): requests hold KV blocks; nothing reset (pass "
                                    "reset_running_requests=True to preempt them first)")
                     return False
-                with self._stepping:
+                with self._stepping, self._applied_whole():
                     if self._unsettled is not None:  # (a settle that raised: its tokens come first, as in a step)
                         self._settle(self._unsettled)
                     if self._pending is not None:
@@ -500,7 +505,16 @@ class LLMEngine:
         with self._exclusive("step"):
             if self.is_finished():
                 return [], 0
-            return self._step()
+            with self._applied_whole():
+                return self._step()
+
+    @contextmanager
+    def _applied_whole(self):
+        self._apply_whole = True
+        try:
+            yield
+        finally:
+            self._apply_whole = False
 
     def _step(self) -> tuple[list[Sequence], int]:
         with self._stepping:  # (exit() from another thread waits for this step before tearing down)
@@ -594,9 +608,10 @@ class LLMEngine:
         return self._apply(step.batch, out)
 
     def _apply(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
-        updated = self.scheduler.postprocess(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
-        self._advance_grammars(updated)
-        self._update_texts(updated)
+        with interrupt_after() if self._apply_whole else nullcontext():
+            updated = self.scheduler.postprocess(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
+            self._advance_grammars(updated)
+            self._update_texts(updated)
         return updated
 
     def _advance_grammars(self, seqs: list[Sequence]):

@@ -5,6 +5,7 @@ beside them."""
 import argparse
 import dataclasses
 import enum
+import signal
 import threading
 from unittest import mock
 
@@ -70,6 +71,19 @@ def _failing_once(fn, at: int):
         calls.append(args)
         if len(calls) == at:
             raise KeyboardInterrupt
+        return fn(*args)
+    return call
+
+
+def _interrupted_once(fn, at: int):
+    """fn, but a SIGINT (a Ctrl-C, which Python raises as KeyboardInterrupt where it runs next) comes in its `at`-th
+    call."""
+    calls = []
+
+    def call(*args):
+        calls.append(args)
+        if len(calls) == at:
+            signal.raise_signal(signal.SIGINT)
         return fn(*args)
     return call
 
@@ -259,6 +273,29 @@ def test_a_step_interrupted_while_making_outputs_loses_none(llm, kind):
             for c in w.outputs:
                 assert_logprobs_close(got[str(i), c.index][1], c.logprobs)
         assert llm.is_finished()
+
+
+def test_a_ctrl_c_while_a_step_applies_its_tokens_waits_until_they_all_are(llm):
+    """A Ctrl-C (SIGINT) while step() applied its tokens to the requests (here: while a sample's text took its new
+    token) left the step half applied: the requests after it never took theirs into their text, so the final text
+    missed a piece while token_ids had it. The interrupt now comes once every request has its tokens and text, and
+    stepping on gives generate()'s outputs."""
+    from nanovllm.engine.detokenizer import IncrementalDetokenizer
+    engine, requests = llm.llm_engine, _requests(llm)
+    want = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt, params in requests]
+    for at in (3, 8, 20, 33):
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, params)
+        finals, interrupted = {}, 0
+        with mock.patch.object(IncrementalDetokenizer, "add", _interrupted_once(IncrementalDetokenizer.add, at)):
+            while engine.has_unfinished_requests():
+                try:
+                    finals.update({o.request_id: o for o in engine.step() if o.finished})
+                except KeyboardInterrupt:
+                    interrupted += 1
+        assert interrupted == 1
+        for i, w in enumerate(want):
+            _same([_fields(c) for c in finals[str(i)].outputs], w)
 
 
 def test_a_refused_abort_keeps_the_request(llm):
