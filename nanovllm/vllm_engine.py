@@ -186,10 +186,9 @@ class LLMEngine:
             cumulative = request.cumulative[i] + sum(entry[t] for entry, t in zip(new, new_tokens))
             if delta:
                 logprobs = new
-            else:  # (kept only where whole outputs read them again; a new list: the kept one is the last output's)
-                kept = request.logprobs[i].copy()
-                kept.extend(new)
-                logprobs = kept.copy()
+            else:  # (kept only where whole outputs read them again; a new list each step, never changed after, so
+                # the output may hold the kept one)
+                logprobs = kept = request.logprobs[i] + new
 
         def commit():
             request.tokens[i], request.chars[i] = settled, chars
