@@ -1,3 +1,4 @@
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
@@ -114,8 +115,8 @@ class SamplingParams:
 
     def verify(self):
         """Check every field, raising ValueError/TypeError that says what to change, and normalize (top_k 0 -> -1,
-        lists for stop and stop_token_ids). Runs at construction and again when a request is submitted, so a field
-        set after construction (an RL loop's `sp.n = k`) is checked as well."""
+        lists for stop and stop_token_ids, as vLLM's). Runs at construction and again when a request is submitted,
+        so a field set after construction (an RL loop's `sp.n = k`) is checked as well."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value):
@@ -164,7 +165,8 @@ class SamplingParams:
             raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")
         if stop is not None and any(s == "" for s in stop):
             raise ValueError("stop strings must not be empty")
-        self._stop = list(stop or [])
+        self.stop = list(stop or [])  # (a list, as vLLM's: sp.stop reads [] or ["..."])
+        self._stop = list(self.stop)
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
@@ -210,6 +212,10 @@ class SamplingParams:
         self.output_kind = as_output_kind(self.output_kind)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's): changing the copy's fields, lists included, leaves this one as it is."""
+        return copy.deepcopy(self)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -162,6 +162,20 @@ def test_truncation_keeps_a_bos_and_an_eos_and_refuses_fewer_tokens_than_they_ar
         _truncate_text(BosEos(), "abcd", full, 1)
 
 
+def test_stop_lists_and_clone_as_in_vllm():
+    """vLLM's SamplingParams reads stop and stop_token_ids back as lists, and clone() is a deep copy."""
+    assert (SamplingParams().stop, SamplingParams(stop="x").stop, SamplingParams(stop=("a", "b")).stop) == (
+        [], ["x"], ["a", "b"])
+    sp = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, seed=7)
+    copied = sp.clone()
+    assert copied == sp and copied is not sp
+    copied.stop.append("y")
+    copied.logit_bias[4] = 2.0
+    copied.verify()
+    assert (sp.stop, sp.stop_strings, sp.logit_bias) == (["x"], ["x"], {3: 1.0})
+    assert copied.stop_strings == ["x", "y"]
+
+
 def test_best_of_at_older_vllms_default():
     """Older vLLM's best_of defaulted to n: None or n asks for nothing more, and is accepted."""
     assert SamplingParams(n=2, best_of=2).n == SamplingParams(best_of=None).n + 1
