@@ -23,13 +23,17 @@ def merge_overrides(raw: dict, overrides: dict) -> dict:
     """config.json's fields `raw` with `overrides` applied (neither is changed): each key replaces raw's, except that a
     dict merges key by key into raw's dict of that name (a multimodal checkpoint's text_config keeps its other
     fields). A rope dict (under rope_scaling or rope_parameters) replaces the scaling and keeps the checkpoint's
-    rope_theta unless it gives one, and a rope_theta goes where the checkpoint keeps it, each written in the layout the
-    checkpoint uses: transformers 5 given a rope_scaling beside the file's rope_parameters silently drops the theta to
-    10,000, and reads a top-level rope_theta only where rope_parameters has none."""
+    rope_theta unless it gives one (None there: no scaling, the theta kept), and a rope_theta goes where the
+    checkpoint keeps it, each written in the layout the checkpoint uses: transformers 5 given a rope_scaling beside
+    the file's rope_parameters silently drops the theta to 10,000, and reads a top-level rope_theta only where
+    rope_parameters has none."""
     merged = copy.deepcopy(raw)
     for key, value in overrides.items():
         value = copy.deepcopy(value)
-        if key in _ROPE_KEYS and isinstance(value, dict):
+        if key in _ROPE_KEYS and value is None:  # no scaling: the theta stays (transformers 5 keeps a file's
+            # rope_parameters beside a null rope_scaling, and a null rope_parameters takes theta 10,000)
+            _set_rope(merged, {"rope_type": "default"}, shown="None")
+        elif key in _ROPE_KEYS and isinstance(value, dict):
             _set_rope(merged, value)
         elif key == "rope_theta":  # (transformers 5 reads the theta in rope_parameters first: set it there)
             _set_rope(merged, {"rope_theta": value})
@@ -40,13 +44,15 @@ def merge_overrides(raw: dict, overrides: dict) -> dict:
     return merged
 
 
-def _set_rope(merged: dict, rope: dict) -> None:
+def _set_rope(merged: dict, rope: dict, shown: str | None = None) -> None:
+    """`rope` written into `merged` in its layout; `shown`: what the user passed, for the error (else `rope`)."""
     old = merged.get("rope_parameters")
     if isinstance(old, dict) and old and all(isinstance(v, dict) for v in old.values()):  # per layer type (Gemma 3)
         unknown = sorted(set(rope) - set(old))
         if unknown or not all(isinstance(v, dict) for v in rope.values()):
             raise ValueError(f"this checkpoint's rope_parameters are per layer type ({', '.join(old)}): give "
-                             f"hf_overrides={{'rope_parameters': {{'<layer type>': {{...}}}}}}, not {rope!r}")
+                             f"hf_overrides={{'rope_parameters': {{'<layer type>': {{...}}}}}}, not "
+                             f"{shown or repr(rope)}")
         for kind, params in rope.items():
             old[kind] = _updated(old[kind], params)
     elif isinstance(old, dict):  # transformers 5's layout: one dict holds the theta and the scaling
@@ -72,12 +78,25 @@ def _updated(old: dict, rope: dict) -> dict:
 def apply_function(config, function: Callable):
     """vLLM's hf_overrides function applied to transformers' config: the config it returns. A rope dict it sets
     on a transformers 5 config (config.rope_scaling = {...} replaces rope_parameters, theta and all) keeps the
-    checkpoint's theta, as for a dict."""
-    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    checkpoint's theta, as for a dict; so does one it clears (config.rope_scaling = None: no scaling), at the top
+    level or in the text_config."""
+    levels = {name: _theta(getattr(config, name, None) if name else config) for name in ("", "text_config")}
     out = function(config)
     if out is None:
         raise TypeError("the hf_overrides function returned None; it must return the config it was given (changed)")
-    params = getattr(out, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None and theta is not None:
-        params["rope_theta"] = theta
+    for name, theta in levels.items():
+        level = getattr(out, name, None) if name else out
+        if theta is None or level is None or not hasattr(level, "rope_parameters"):
+            continue
+        params = level.rope_parameters
+        if params is None:
+            level.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+        elif isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None:
+            params["rope_theta"] = theta
     return out
+
+
+def _theta(config) -> float | None:
+    """A transformers 5 config's one rope_theta (None for none, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None)
+    return params.get("rope_theta") if isinstance(params, dict) else None

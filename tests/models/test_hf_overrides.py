@@ -7,6 +7,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoint.hf_overrides import merge_overrides
 from nanovllm.engine_args import EngineArgs
+from nanovllm.models.decoder import rope_settings
 from tests.tiny_models import edit_json, hf_greedy, make_checkpoint
 
 # Qwen's long-context setting, scaled down: YaRN over a 32-token original context, 128 in all
@@ -23,11 +24,16 @@ def qwen3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def yarn_tokens(tmp_path_factory) -> list[int]:
-    """transformers' greedy tokens on the same weights with YaRN written into config.json."""
-    path = make_checkpoint(tmp_path_factory.mktemp("hfo_edited"), "qwen3", tie=False, rope_theta=1e6,
+def qwen3_yarn(tmp_path_factory) -> str:
+    """The same weights with YaRN written into config.json (as transformers 5 saves it: in rope_parameters)."""
+    return make_checkpoint(tmp_path_factory.mktemp("hfo_edited"), "qwen3", tie=False, rope_theta=1e6,
                            rope_scaling=YARN)
-    return hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def yarn_tokens(qwen3_yarn) -> list[int]:
+    """transformers' greedy tokens on the same weights with YaRN written into config.json."""
+    return hf_greedy(qwen3_yarn, PROMPT, GREEDY.max_tokens)
 
 
 def _yarn_by_function(config):  # at module level: data-parallel replicas unpickle it
@@ -46,6 +52,23 @@ def test_yarn_by_overrides_equals_an_edited_config(qwen3, yarn_tokens, overrides
         assert (params["rope_theta"], params["rope_type"], llm.config.max_model_len) == (1e6, "yarn", 128)
         assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]["token_ids"] == yarn_tokens
     assert hf_greedy(qwen3, PROMPT, GREEDY.max_tokens) != yarn_tokens, "YaRN should change this prompt's tokens"
+
+
+def _no_scaling(config):
+    config.rope_scaling = None  # (on a transformers 5 config this clears rope_parameters, theta and all)
+    return config
+
+
+@pytest.mark.parametrize("overrides", [{"rope_scaling": None}, {"rope_parameters": None}, _no_scaling,
+                                       lambda config: config.update({"rope_parameters": None}) or config],
+                         ids=["rope_scaling", "rope_parameters", "function", "lambda_update"])
+def test_overriding_the_scaling_with_none_removes_it(qwen3, qwen3_yarn, overrides):
+    """A checkpoint saved with YaRN, its scaling overridden with None: plain rope at the checkpoint's rope_theta, as
+    config.json without the scaling gives (neither the YaRN it was saved with, nor theta 10,000)."""
+    with LLM(qwen3_yarn, hf_overrides=overrides, max_model_len=256, **OPTIONS) as llm:
+        assert rope_settings(llm.config.hf_config) == (1e6, None)
+        got = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert got == hf_greedy(qwen3, PROMPT, GREEDY.max_tokens)
 
 
 def test_yarn_override_on_the_older_layout(tmp_path, yarn_tokens):
@@ -78,6 +101,9 @@ def test_merge_rules():
     assert merge_overrides(scaled, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})["rope_parameters"] == {
         "rope_theta": 1e6, "rope_type": "linear", "factor": 2.0}
     assert merge_overrides(scaled, {"rope_theta": 5e5})["rope_parameters"] == {"rope_theta": 5e5, **YARN}
+    # None: no scaling, the theta kept
+    assert merge_overrides(scaled, {"rope_scaling": None})["rope_parameters"] == {"rope_theta": 1e6,
+                                                                                  "rope_type": "default"}
     t4 = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": None}
     assert merge_overrides(t4, {"rope_theta": 1e4}) == {**t4, "rope_theta": 1e4}
     assert merge_overrides(t4, {"rope_parameters": {**YARN, "rope_theta": 1e4}}) == {
@@ -92,7 +118,7 @@ def test_merge_rules():
     assert out["text_config"]["rope_parameters"] == {
         "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
         "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}
-    for bad in ({"rope_scaling": YARN}, {"rope_theta": 1e4}):
+    for bad in ({"rope_scaling": YARN}, {"rope_theta": 1e4}, {"rope_scaling": None}):
         with pytest.raises(ValueError, match="rope_parameters are per layer type"):
             merge_overrides(mm, {"text_config": bad})
 
