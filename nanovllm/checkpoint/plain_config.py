@@ -23,8 +23,9 @@ logger = logging.getLogger("nanovllm")
 HF_CONFIG_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-    "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "eos_token_id",
-    "dtype", "torch_dtype", "quantization_config", "compression_config", "text_config",
+    "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+    "sliding_window", "eos_token_id", "dtype", "torch_dtype", "quantization_config", "compression_config",
+    "text_config",
     # sliding windows and Gemma (models/decoder.py, models/__init__.py)
     "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
     "use_bidirectional_attention", "sliding_window_pattern", "rope_local_base_freq",

@@ -65,6 +65,11 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if theta is None:  # (transformers 5 leaves it so where code sets config.rope_scaling on a loaded config)
         raise ValueError(f"the model's rope parameters {params} have no rope_theta; give it beside the scaling")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None and partial != 1:  # (vLLM rotates only that part of each head; transformers' families here
+        # rotate the whole head without scaling, and fail with it)
+        raise ValueError(f"partial_rotary_factor={partial}: rotary embeddings on part of each head are not "
+                         "implemented (nanovllm rotates the whole head_dim)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in ("yarn", "llama3"):  # transformers' defaults: trained on max_position_embeddings, and YaRN's
         # factor the ratio of the two

@@ -108,6 +108,26 @@ def test_rope_scaling_stretches_the_context(tmp_path, kind):
             llm.generate([list(range(3, 203))], use_tqdm=False)
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 2.0,
+                                             "original_max_position_embeddings": 64}])
+def test_rotary_on_part_of_each_head_is_refused(tmp_path, scaling):
+    """partial_rotary_factor < 1 (vLLM's get_rope rotates only that part of each head; transformers' Qwen3 and Llama
+    rotate the whole head without scaling and fail with it) is refused, in config.json or as an override, where it was
+    ignored: the whole head rotated without a word."""
+    path = make_checkpoint(tmp_path, "qwen3", tie=False, rope_theta=1e6,
+                           **({"rope_scaling": scaling} if scaling else {}))
+    options = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=32)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
+        LLM(path, hf_overrides={"partial_rotary_factor": 0.5}, **options)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["rope_parameters"]["partial_rotary_factor"] = 0.5
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
+        LLM(path, **options)
+
+
 def test_a_layout_copy_on_the_meta_device_skips_the_rotary_tables():
     # check_weights builds the model on the meta device for its names and shapes: the rotary cache there is an empty
     # meta tensor of the real shape (computing it went through torch._refs: 2.3 s of a first update_weights)
