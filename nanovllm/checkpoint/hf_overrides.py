@@ -76,10 +76,10 @@ def _updated(old: dict, rope: dict) -> dict:
 
 
 def apply_function(config, function: Callable):
-    """vLLM's hf_overrides function applied to transformers' config: the config it returns. A rope dict it sets
-    on a transformers 5 config (config.rope_scaling = {...} replaces rope_parameters, theta and all) keeps the
-    checkpoint's theta, as for a dict; so does one it clears (config.rope_scaling = None: no scaling), at the top
-    level or in the text_config."""
+    """vLLM's hf_overrides function applied to transformers' config: the config it returns. A rope dict without a
+    theta that it sets on a transformers 5 config (config.rope_scaling = {...} replaces rope_parameters, theta and
+    all; so does config.rope_parameters = {...}) keeps the checkpoint's theta, as for a dict; so does one it clears
+    (config.rope_scaling = None: no scaling), at the top level or in the text_config."""
     levels = {name: _theta(getattr(config, name, None) if name else config) for name in ("", "text_config")}
     out = function(config)
     if out is None:
@@ -91,7 +91,8 @@ def apply_function(config, function: Callable):
         params = level.rope_parameters
         if params is None:
             level.rope_parameters = {"rope_type": "default", "rope_theta": theta}
-        elif isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None:
+        elif isinstance(params, dict) and params.get("rope_theta") is None and \
+                not any(isinstance(v, dict) for v in params.values()):  # (not per layer type)
             params["rope_theta"] = theta
     return out
 

@@ -41,9 +41,15 @@ def _yarn_by_function(config):  # at module level: data-parallel replicas unpick
     return config
 
 
+def _yarn_parameters(config):
+    config.rope_parameters = dict(YARN)  # (transformers 5's own attribute, set without the theta)
+    return config
+
+
 @pytest.mark.parametrize("overrides", [{"rope_scaling": YARN}, {"rope_parameters": YARN}, _yarn_by_function,
-                                       lambda config: config.update({"rope_scaling": dict(YARN)}) or config],
-                         ids=["rope_scaling", "rope_parameters", "function", "lambda_update"])
+                                       lambda config: config.update({"rope_scaling": dict(YARN)}) or config,
+                                       _yarn_parameters],
+                         ids=["rope_scaling", "rope_parameters", "function", "lambda_update", "function_parameters"])
 def test_yarn_by_overrides_equals_an_edited_config(qwen3, yarn_tokens, overrides):
     """Qwen's model cards give YaRN as an override; the checkpoint's rope_theta stays (transformers 5 given a
     rope_scaling beside the file's rope_parameters would take theta 10,000), and the context is YaRN's."""
