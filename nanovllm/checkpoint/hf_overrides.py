@@ -37,6 +37,8 @@ def merge_overrides(raw: dict, overrides: dict) -> dict:
             _set_rope(merged, value)
         elif key == "rope_theta":  # (transformers 5 reads the theta in rope_parameters first: set it there)
             _set_rope(merged, {"rope_theta": value})
+        elif key in ("dtype", "torch_dtype"):  # (two names of one field: transformers 5 reads dtype first)
+            merged["dtype"] = merged["torch_dtype"] = value
         elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = merge_overrides(merged[key], value)
         else:

@@ -3,9 +3,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoint.hf_overrides import merge_overrides
+from nanovllm.config import Config
 from nanovllm.engine_args import EngineArgs
 from nanovllm.models.decoder import rope_settings
 from tests.tiny_models import edit_json, hf_greedy, make_checkpoint
@@ -90,6 +92,8 @@ def test_plain_fields_and_the_command_line(qwen3):
     with LLM(qwen3, hf_overrides={"num_hidden_layers": 1}, load_format="dummy", max_model_len=256, **OPTIONS) as llm:
         assert llm.llm_engine.model_config.hf_config.num_hidden_layers == 1
         assert len(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+    config = Config.from_kwargs(qwen3, hf_overrides={"torch_dtype": "float16"}).hf_config
+    assert config.dtype == torch.float16  # (config.json says dtype float32: the override's name is the older one)
     import argparse
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", qwen3, "--hf-overrides", json.dumps({"rope_scaling": YARN})])
@@ -110,6 +114,10 @@ def test_merge_rules():
     # None: no scaling, the theta kept
     assert merge_overrides(scaled, {"rope_scaling": None})["rope_parameters"] == {"rope_theta": 1e6,
                                                                                   "rope_type": "default"}
+    # the dtype under either name (transformers 5 saves dtype, and reads it before torch_dtype)
+    for name in ("dtype", "torch_dtype"):
+        got = merge_overrides({"dtype": "bfloat16", "torch_dtype": "bfloat16"}, {name: "float16"})
+        assert got == {"dtype": "float16", "torch_dtype": "float16"}
     t4 = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": None}
     assert merge_overrides(t4, {"rope_theta": 1e4}) == {**t4, "rope_theta": 1e4}
     assert merge_overrides(t4, {"rope_parameters": {**YARN, "rope_theta": 1e4}}) == {
