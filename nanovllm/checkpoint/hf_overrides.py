@@ -84,8 +84,10 @@ def apply_function(config, function: Callable):
     (config.rope_scaling = None: no scaling), at the top level or in the text_config."""
     levels = {name: _theta(getattr(config, name, None) if name else config) for name in ("", "text_config")}
     out = function(config)
-    if out is None:
-        raise TypeError("the hf_overrides function returned None; it must return the config it was given (changed)")
+    if out is None or isinstance(out, dict):
+        raise TypeError(f"the hf_overrides function returned {'None' if out is None else 'a dict'}; it must return "
+                        "the config it was given (changed)" + ("; a dict of changes goes as hf_overrides itself"
+                                                                 if out is not None else ""))
     for name, theta in levels.items():
         level = getattr(out, name, None) if name else out
         if theta is None or level is None or not hasattr(level, "rope_parameters"):

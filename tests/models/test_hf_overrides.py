@@ -142,6 +142,8 @@ def test_bad_overrides_are_refused(qwen3):
         LLM(qwen3, hf_overrides="rope_scaling=yarn")
     with pytest.raises(TypeError, match="hf_overrides function returned None"):
         LLM(qwen3, hf_overrides=lambda config: None)
+    with pytest.raises(TypeError, match="returned a dict; .* a dict of changes goes as hf_overrides itself"):
+        LLM(qwen3, hf_overrides=lambda config: {"rope_theta": 1e6})
     with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"):
         LLM(qwen3, hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, **OPTIONS)
 
