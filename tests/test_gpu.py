@@ -252,7 +252,10 @@ def test_cuda_bf16_batch_16_on_the_tma_ring(qwen3_attention_shape, kv_cache_dtyp
 
 def test_cuda_fp8_kv_cache_graphs_equal_eager(qwen3_tied):
     """An fp8 cache through the Triton kernels: decode graphs give the eager tokens; chunked prefill reads fp8
-    history; the first token (computed from fresh, unquantized K/V) is transformers' own."""
+    history; the first token (its prompt's K/V read back from the cache, as every prefill's are) is within 0.5 nats
+    of transformers' best in float32 (the fp8 tolerance of the bfloat16 tests; on CPU the torch backend's first
+    tokens here are transformers' own, within 0.2 nats)."""
+    from tests.tiny_models import hf_model
     prompts = _prompts(7, [5, 40, 100, 7, 64, 250, 31])
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     results = []
@@ -261,9 +264,10 @@ def test_cuda_fp8_kv_cache_graphs_equal_eager(qwen3_tied):
                   max_num_seqs=100, max_model_len=512, num_kvcache_blocks=16, max_num_batched_tokens=128)
         results.append(llm.generate(prompts, sp, use_tqdm=False))
         llm.exit()
-    for prompt, a, b in zip(prompts, *results):
+    for a, b in zip(*results):
         assert a["token_ids"] == b["token_ids"]
-        assert a["token_ids"][0] == hf_greedy(qwen3_tied, prompt, 1)[0]
+    firsts = [{"token_ids": out["token_ids"][:1], "logprobs": out["logprobs"][:1]} for out in results[0]]
+    assert_near_float32(hf_model(qwen3_tied), prompts, firsts, 0.5)
 
 
 @pytest.mark.gpu

@@ -267,9 +267,12 @@ class ModelRunner:
                 base = seq.block_table[i] * self.block_size
                 lo, hi = max(start, i * self.block_size), min(end, (i + 1) * self.block_size)
                 slot_mapping.extend(range(base + lo - i * self.block_size, base + hi - i * self.block_size))
-        has_history = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        # With an fp8 cache attention reads every key and value back from it, new ones too (as vLLM's does): read
+        # from the step's unquantized rows instead, a prompt's tokens would depend on whether its prefix was cached,
+        # its prefill chunked, or another sequence of its batch had history
+        paged = cu_seqlens_k[-1] > cu_seqlens_q[-1] or (self.kv_scale is not None and all(s.block_table for s in seqs))
         context = self.backend.prefill_context(self._to_device, cu_seqlens_q, cu_seqlens_k, slot_mapping,
-                                               self._padded_tables(seqs) if has_history else None)
+                                               self._padded_tables(seqs) if paged else None)
         # each sequence's last new token: the only position whose logits are sampled (forks sample their parent's)
         last = [n - 1 for n in cu_seqlens_q[1:]]
         context.logits_indices = self._to_device(last + [last[row] for _, row in batch.forks], torch.int64)

@@ -96,6 +96,34 @@ def test_every_regime_stays_within_the_bounds(large_k):
     assert _within_bounds(tight), tight
 
 
+def test_a_prefix_hit_a_chunked_prefill_or_a_batch_changes_nothing(qwen3_tied):
+    """Attention reads every key and value back from the fp8 cache, a prompt's own too: a request gives what it gives
+    on a fresh engine alone when its prefix comes from the cache, its prefill is chunked, or it shares a step with a
+    sequence that has history (a prefill without history attended over its unquantized K/V: its first logprobs moved
+    by up to 0.1 with a prefix hit, and greedy tokens followed)."""
+    base, other = _prompts(3, 1, 48, 48)[0], _prompts(5, 1, 30, 30)[0]
+    prompts = [base + tail for tail in _prompts(4, 3, 1, 20)] + [other]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    options = dict(kv_cache_dtype="fp8", **SMALL)
+    alone = [LLM(qwen3_tied, **options).generate([p], sp, use_tqdm=False)[0] for p in prompts]
+
+    def check(outs, refs, how):
+        for out, ref in zip(outs, refs, strict=True):
+            assert out["token_ids"] == ref["token_ids"], how
+            for got, want in zip(out["logprobs"], ref["logprobs"]):
+                assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-3 for t in got), how
+
+    llm = LLM(qwen3_tied, **options)
+    llm.generate([base], sp, use_tqdm=False)
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts[:3]]
+    assert [out["num_cached_tokens"] for out in outs] == [48] * 3
+    check(outs, alone[:3], "a prefix hit")
+    # the last prompt shares its prefill step with a prefix hit
+    check(llm.generate([base + [9], other], sp, use_tqdm=False)[1:], alone[3:], "beside a prefix hit")
+    check(LLM(qwen3_tied, max_num_batched_tokens=20, **options).generate(prompts, sp, use_tqdm=False), alone,
+          "chunked")
+
+
 def test_async_scheduling_n_samples_and_sleep_equal_the_plain_fp8_loop(large_k):
     prompts = _prompts(2, 5)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
