@@ -46,6 +46,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
+        # an 8-bit cache (read before it is allocated: warm-ups prefill first)
+        self.fp8_cache = config.kv_cache_torch_dtype.itemsize == 1
         self.startup: dict[str, float] = {}  # seconds per start-up phase, logged at INFO
         # the Triton kernels behind the warm-ups (CompileTally; CUDA only: a CPU start imports no Triton)
         self.compiles: warmup.CompileTally | None = None
@@ -270,7 +272,7 @@ class ModelRunner:
         # With an fp8 cache attention reads every key and value back from it, new ones too (as vLLM's does): read
         # from the step's unquantized rows instead, a prompt's tokens would depend on whether its prefix was cached,
         # its prefill chunked, or another sequence of its batch had history
-        paged = cu_seqlens_k[-1] > cu_seqlens_q[-1] or (self.kv_scale is not None and all(s.block_table for s in seqs))
+        paged = cu_seqlens_k[-1] > cu_seqlens_q[-1] or (self.fp8_cache and all(s.block_table for s in seqs))
         context = self.backend.prefill_context(self._to_device, cu_seqlens_q, cu_seqlens_k, slot_mapping,
                                                self._padded_tables(seqs) if paged else None)
         # each sequence's last new token: the only position whose logits are sampled (forks sample their parent's)
