@@ -73,8 +73,8 @@ class SamplingParams:
     as token sequences), truncate_prompt_tokens (keep only the last k prompt tokens, a text prompt keeping the special
     tokens its tokenizer adds), flat_logprobs (logprobs and prompt_logprobs as one FlatLogprobs each, read as the
     same list of dicts: far cheaper to make for long prompts), output_kind (a RequestOutputKind, for LLMEngine.step;
-    None reads as CUMULATIVE); logits_processors and extra_args are accepted at their defaults, older vLLM's best_of
-    at None or n. max_tokens defaults
+    None reads as CUMULATIVE); logits_processors is accepted at its default, extra_args as any dict (kept, read by
+    nothing), older vLLM's best_of at None or n. max_tokens defaults
     to 16, as in vLLM; None runs up to max_model_len.
     """
 
