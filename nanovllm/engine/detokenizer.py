@@ -162,7 +162,7 @@ def find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | 
 
 def stop_holdback(text: str, stops: list[str], include_stop_str_in_output: bool = False) -> int:
     """How many trailing characters of an unfinished text to hold back: they could still begin a stop string, which
-    the text would leave out. None with include_stop_str_in_output (vLLM's stop_buffer_length): the text then keeps
+    the text would leave out. Nothing with include_stop_str_in_output (vLLM's stop_buffer_length): the text then keeps
     everything up to a stop string's end, so nothing shown can be taken back."""
     if include_stop_str_in_output:
         return 0

@@ -472,8 +472,9 @@ class ModelRunner:
         step = self.launch(batch)
         if step is None:
             return None
+        pending = self.sample(step)  # (which rolls back itself if it raises)
         try:
-            return self.settle(self.sample(step))
+            return self.settle(pending)
         except BaseException:
             # its tokens are dropped and step() samples it again: a seeded request must draw the same numbers, and
             # penalties must count its token once
